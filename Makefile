@@ -1,0 +1,56 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   provision a local container p40-demo with site.yml and show it
+#   make test   lint + the engine's unit tests + every molecule scenario
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV := $(CURDIR)/.venv
+export PATH := $(VENV)/bin:$(PATH)
+export OLDGPU_CACHE ?= /var/cache/oldgpu
+export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
+PODMAN_ENV := source scripts/podman-env.sh
+SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
+
+.PHONY: help host-packages bootstrap image lint unit molecule test demo demo-destroy lock clean
+
+help:
+	@echo "make demo | make test | make lint | make unit | make molecule SCENARIOS=default"
+
+# What the controller itself needs from the distribution (Debian/Ubuntu).
+host-packages:
+	@scripts/host-packages.sh
+
+bootstrap: host-packages
+	@scripts/bootstrap-controller.sh
+
+image: bootstrap
+	@scripts/build-test-image.sh
+
+lint: bootstrap
+	ansible-lint
+	yamllint --strict .
+	ruff check .
+	ruff format --check .
+
+unit: bootstrap
+	@venv=$$(scripts/engine-venv.sh) && cd $(CURDIR) && \
+	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
+
+molecule: image
+	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
+
+test: lint unit molecule
+	@echo "make test: all checks passed"
+
+demo: image
+	@$(PODMAN_ENV) && scripts/demo.sh
+
+demo-destroy:
+	@$(PODMAN_ENV) && podman rm -f p40-demo
+
+lock:
+	@scripts/lock.sh
+
+clean:
+	rm -rf .venv .collections

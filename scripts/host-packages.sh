@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Distribution packages the controller needs: podman (with runc, as crun
+# refuses this kind of machine's cgroups), debootstrap for the test image, the
+# PCI ID database the engine reads. Installs only what is missing.
+set -euo pipefail
+need=(podman runc uidmap slirp4netns fuse-overlayfs debootstrap pciutils pci.ids git python3-venv)
+missing=()
+for p in "${need[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[host] installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,5 @@
+import sys
+
+from oldgpu.cli import main
+
+sys.exit(main())

@@ -1,0 +1,481 @@
+"""oldgpu profile: per-architecture decisions, driver selection, the JSON contract."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oldgpu import cli, detect, profile
+from oldgpu.output import EngineError
+
+DATA = Path(__file__).parent / "data"
+REC = DATA / "detect"
+EXCERPT = DATA / "pci.ids.excerpt"
+VERL_SRC = Path(os.environ.get("OLDGPU_VERL_SRC", "/tmp/verlsd/verl-0.5.0"))
+
+PROFILE_KEYS = {
+    "name",
+    "architecture",
+    "architectures",
+    "compute_capability",
+    "compute_capability_tuple",
+    "compute_capabilities",
+    "device",
+    "gpu_count",
+    "driver",
+    "torch",
+    "compute_dtype",
+    "attn_implementation",
+    "attn_fallback",
+    "rollout",
+    "torch_compile",
+    "flash_attn_allowed",
+    "vllm_allowed",
+    "hydra_overrides",
+    "patch_options",
+    "notes",
+}
+DRIVER_KEYS = {"required", "branches", "default", "selected", "flavours", "flavour"}
+TORCH_KEYS = {
+    "version",
+    "variant",
+    "triton",
+    "cuda_arch_list",
+    "kernels",
+    "has_kernels",
+    "min_driver",
+}
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """``oldgpu.cli.main`` with only the commands under test (others may be half-built)."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("oldgpu.detect", "oldgpu.profile"))
+
+    def _run(*argv: str) -> tuple[int, Any, str]:
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, json.loads(out) if "--json" in argv else out, err
+
+    return _run
+
+
+def gpus(*records: str) -> list[dict[str, Any]]:
+    """Detect's GPUs from recordings (nvidia-smi ``.csv``/``.txt``, lspci ``.lspci.txt``)."""
+    smi = next((r for r in records if "nvidia-smi" in r), None)
+    lspci = next((r for r in records if "lspci" in r), None)
+    return detect.detect(
+        (REC / smi).read_text() if smi else None,
+        (REC / lspci).read_text() if lspci else None,
+        EXCERPT,
+        run_tools=False,
+    )["gpus"]
+
+
+def gpu(arch: str, cc: str | None = None) -> dict[str, Any]:
+    return {"architecture": arch, "compute_capability": cc or profile.PROFILES[arch].cc}
+
+
+# -- the table --------------------------------------------------------------------
+
+
+def test_every_detected_architecture_has_a_profile():
+    archs = {a for _, a, _ in detect.CHIP_FAMILIES} | set(detect._CC_ARCH.values())
+    assert archs <= set(profile.PROFILES)
+    assert "cpu" in profile.PROFILES
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "attn", "fallback", "rollout", "compile_", "flash", "vllm"),
+    [
+        ("kepler", "fp32", "sdpa", "eager", "hf", False, False, False),
+        ("maxwell", "fp32", "sdpa", "eager", "hf", False, False, False),
+        ("pascal", "fp32", "sdpa", "eager", "hf", False, False, False),
+        ("volta", "fp32", "sdpa", "eager", "hf", True, False, True),
+        ("turing", "fp32", "sdpa", "eager", "hf", True, False, True),
+        ("ampere", "bf16", "flash_attention_2", "sdpa", "vllm", True, True, True),
+        ("ada", "bf16", "flash_attention_2", "sdpa", "vllm", True, True, True),
+        ("hopper", "bf16", "flash_attention_2", "sdpa", "vllm", True, True, True),
+        ("cpu", "fp32", "sdpa", "eager", "hf", False, False, False),
+    ],
+)
+def test_decisions(arch, dtype, attn, fallback, rollout, compile_, flash, vllm):
+    p = profile.profile_for_arch(arch)
+    assert (
+        p["compute_dtype"],
+        p["attn_implementation"],
+        p["attn_fallback"],
+        p["rollout"],
+        p["torch_compile"],
+        p["flash_attn_allowed"],
+        p["vllm_allowed"],
+    ) == (dtype, attn, fallback, rollout, compile_, flash, vllm)
+    assert p["patch_options"]["compute_dtype"] == dtype
+    assert p["patch_options"]["attn_implementation"] == attn
+
+
+@pytest.mark.parametrize(
+    "cc", ["3.0", "3.5", "3.7", "5.0", "5.2", "6.0", "6.1", "6.2", "7.0", "7.2", "7.5"]
+)
+def test_no_bf16_below_8_0(cc):
+    p = profile.profile_for_cc(cc)
+    assert p["compute_dtype"] == "fp32"
+    assert not p["flash_attn_allowed"]
+    assert not any("bf16" in o for o in p["hydra_overrides"])
+
+
+@pytest.mark.parametrize("cc", ["8.0", "8.6", "8.9", "9.0"])
+def test_bf16_from_8_0(cc):
+    assert profile.profile_for_cc(cc)["compute_dtype"] == "bf16"
+
+
+@pytest.mark.parametrize(("cc", "allowed"), [("6.1", False), ("7.0", True), ("7.5", True)])
+def test_vllm_and_compile_need_7_0(cc, allowed):
+    p = profile.profile_for_cc(cc)
+    assert p["vllm_allowed"] is p["torch_compile"] is allowed
+    assert ("actor_rollout_ref.actor.use_torch_compile=False" in p["hydra_overrides"]) is (
+        not allowed
+    )
+
+
+def test_table_only_loosens_with_generation():
+    # profile_for_gpus takes the oldest GPU's row as the most restrictive one.
+    rows = sorted((r for a, r in profile.PROFILES.items() if a != "cpu"), key=lambda r: r.order)
+    for older, newer in itertools.pairwise(rows):
+        for flag in ("torch_compile", "flash_attn_allowed", "vllm_allowed"):
+            assert getattr(older, flag) <= getattr(newer, flag)
+        assert not (older.compute_dtype == "bf16" and newer.compute_dtype == "fp32")
+        assert detect.cc_tuple(older.cc) < detect.cc_tuple(newer.cc)
+    for row in rows:
+        assert (row.compute_dtype == "bf16") is (detect.cc_tuple(row.cc) >= (8, 0))
+
+
+# -- torch ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cc", "sm"),
+    [
+        ("6.1", "sm_60"),
+        ("6.0", "sm_60"),
+        ("5.2", "sm_50"),
+        ("7.5", "sm_75"),
+        ("8.9", "sm_86"),
+        ("9.0", "sm_90"),
+        ("3.7", None),
+        ("12.0", None),
+    ],
+)
+def test_torch_kernels(cc, sm):
+    arch_list = ["5.0", "6.0", "7.0", "7.5", "8.0", "8.6", "9.0"]
+    assert profile.torch_kernels(cc, arch_list) == sm
+
+
+def test_torch_from_pins():
+    t = profile.profile_for_arch("pascal")["torch"]
+    assert (t["version"], t["variant"]) == ("2.6.0", "cu118")
+    assert t["kernels"] == {"6.1": "sm_60"} and t["has_kernels"] is True
+
+
+def test_kepler_has_no_kernels_in_the_cu118_build():
+    p = profile.profile_for_arch("kepler")
+    assert p["torch"]["has_kernels"] is False
+    assert p["torch"]["kernels"] == {"3.7": None}
+    assert any("no kernels for compute capability 3.7" in n for n in p["notes"])
+    assert p["driver"]["selected"] == 470
+    assert any("minor-version compatibility" in n for n in p["notes"])
+
+
+# -- driver selection -------------------------------------------------------------
+
+
+def test_p40_driver():
+    d = profile.select_driver([gpu("pascal")])
+    assert d == {
+        "required": True,
+        "branches": [470, 535, 580],
+        "default": 535,
+        "selected": 535,
+        "flavours": ["proprietary"],
+        "flavour": "proprietary",
+    }
+
+
+def test_470_on_a_p40_is_allowed():
+    assert profile.select_driver([gpu("pascal")], 470)["selected"] == 470
+
+
+def test_open_modules_on_pascal_stop():
+    with pytest.raises(EngineError) as exc:
+        profile.select_driver([gpu("pascal")], requested_flavour="open")
+    assert exc.value.name == "open-modules-unsupported"
+
+
+def test_open_modules_on_turing():
+    d = profile.select_driver([gpu("turing")], requested_flavour="open")
+    assert (d["flavour"], d["flavours"]) == ("open", ["proprietary", "open"])
+    with pytest.raises(EngineError) as exc:  # 470 has no open modules
+        profile.select_driver([gpu("turing")], 470, "open")
+    assert exc.value.name == "open-modules-unsupported"
+
+
+def test_blackwell_needs_open_modules():
+    assert profile.select_driver([gpu("blackwell")])["flavour"] == "open"
+    with pytest.raises(EngineError) as exc:
+        profile.select_driver([gpu("blackwell")], requested_flavour="proprietary")
+    assert exc.value.name == "proprietary-modules-unsupported"
+    with pytest.raises(EngineError) as exc:
+        profile.select_driver([gpu("pascal"), gpu("blackwell")])
+    assert exc.value.name == "no-common-driver-flavour"
+
+
+@pytest.mark.parametrize(
+    ("arch", "branch", "error"),
+    [
+        ("hopper", 470, "driver-branch-unsupported"),
+        ("kepler", 535, "driver-branch-unsupported"),
+        ("kepler", 580, "driver-branch-unsupported"),
+        ("pascal", 550, "driver-branch-unknown"),
+    ],
+)
+def test_invalid_branches(arch, branch, error):
+    with pytest.raises(EngineError) as exc:
+        profile.select_driver([gpu(arch)], branch)
+    assert exc.value.name == error
+
+
+def test_no_gpu_driver():
+    d = profile.select_driver([])
+    assert d["required"] is False
+    assert d["selected"] == profile.NO_GPU_BRANCH == 535
+    assert d["flavour"] == "proprietary"
+    assert profile.select_driver([], 470)["selected"] == 470
+
+
+def test_unknown_architecture_is_named():
+    # Driver 470 and no pci.ids: nothing tells what the card is.
+    bare = detect.parse_nvidia_smi((REC / "p40-470.nvidia-smi.csv").read_text(), {})
+    with pytest.raises(EngineError) as exc:
+        profile.profile_for_gpus(bare)
+    assert exc.value.name == "unknown-gpu-architecture"
+    assert "Tesla P40" in exc.value.message
+
+
+# -- hosts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("records", "name", "dtype", "rollout"),
+    [
+        (["p40.nvidia-smi.csv"], "pascal-6.1", "fp32", "hf"),
+        (["p40-470.nvidia-smi.csv"], "pascal-6.1", "fp32", "hf"),
+        (["p100.nvidia-smi.csv"], "pascal-6.0", "fp32", "hf"),
+        (["2xp40.nvidia-smi.csv"], "pascal-6.1", "fp32", "hf"),
+        (["v100.nvidia-smi.csv"], "volta-7.0", "fp32", "hf"),
+        (["t4.nvidia-smi.csv"], "turing-7.5", "fp32", "hf"),
+        (["a100.nvidia-smi.csv"], "ampere-8.0", "bf16", "vllm"),
+        (["p40-unnamed.lspci.txt"], "pascal-6.1", "fp32", "hf"),
+        (["h100.lspci.txt"], "hopper-9.0", "bf16", "vllm"),
+    ],
+)
+def test_host_profiles(records, name, dtype, rollout):
+    p = profile.profile_for_gpus(gpus(*records))
+    assert (p["name"], p["compute_dtype"], p["rollout"]) == (name, dtype, rollout)
+
+
+def test_mixed_p40_v100_takes_the_p40():
+    p = profile.profile_for_gpus(gpus("p40-v100.nvidia-smi.csv", "p40-v100.lspci.txt"))
+    assert p["name"] == "pascal-6.1"
+    assert p["architectures"] == ["pascal", "volta"]
+    assert p["compute_capabilities"] == ["6.1", "7.0"]
+    assert p["gpu_count"] == 2
+    assert (p["torch_compile"], p["vllm_allowed"]) == (False, False)
+    assert p["torch"]["kernels"] == {"6.1": "sm_60", "7.0": "sm_70"}
+    assert p["driver"]["selected"] == 535
+
+
+def test_mixed_k80_a100_shares_470():
+    # 470 is Kepler's last branch and drives Ampere too.
+    for records in (
+        ["k80-a100-470.nvidia-smi.csv", "k80-a100.lspci.txt"],
+        ["k80-a100-535.nvidia-smi.csv", "k80-a100.lspci.txt"],  # 535 cannot see the K80s
+    ):
+        p = profile.profile_for_gpus(gpus(*records))
+        assert (p["name"], p["gpu_count"], p["driver"]["branches"]) == ("kepler-3.7", 3, [470])
+        assert p["driver"]["selected"] == 470
+
+
+def test_mixed_k80_h100_has_no_common_branch():
+    with pytest.raises(EngineError) as exc:
+        profile.profile_for_gpus(gpus("k80-h100.lspci.txt"))
+    assert exc.value.name == "no-common-driver-branch"
+
+
+def test_cpu_profile():
+    p = profile.profile_for_gpus([])
+    assert p == profile.profile_for_arch("cpu")
+    assert (p["name"], p["device"], p["architecture"], p["gpu_count"]) == ("cpu", "cpu", "cpu", 0)
+    assert (p["compute_dtype"], p["rollout"], p["torch_compile"]) == ("fp32", "hf", False)
+    assert p["compute_capability"] is None and p["architectures"] == []
+    assert p["patch_options"]["device"] == "cpu"
+    assert "trainer.device=cpu" in p["hydra_overrides"]
+    assert p["driver"]["required"] is False
+
+
+def test_cc_and_arch_agree():
+    assert profile.profile_for_cc("6.1") == profile.profile_for_arch("pascal", "6.1")
+    assert profile.profile_for_cc("06.1")["compute_capability"] == "6.1"
+
+
+@pytest.mark.parametrize(
+    ("cc", "error"), [("six", "bad-compute-capability"), ("2.0", "unknown-compute-capability")]
+)
+def test_bad_cc(cc, error):
+    with pytest.raises(EngineError) as exc:
+        profile.profile_for_cc(cc)
+    assert exc.value.name == error
+
+
+# -- the CLI ----------------------------------------------------------------------
+
+
+def test_cli_json_shape_p40(run_cli):
+    code, p, _ = run_cli(
+        "profile",
+        "--json",
+        "--nvidia-smi-file",
+        str(REC / "p40.nvidia-smi.csv"),
+        "--pci-ids",
+        str(EXCERPT),
+    )
+    assert code == 0
+    assert set(p) == PROFILE_KEYS
+    assert set(p["driver"]) == DRIVER_KEYS
+    assert set(p["torch"]) == TORCH_KEYS
+    assert set(p["patch_options"]) == {"compute_dtype", "attn_implementation", "device"}
+    assert p["name"] == "pascal-6.1"
+    assert p["compute_capability_tuple"] == [6, 1]
+    assert all(isinstance(o, str) for o in p["hydra_overrides"])
+    assert p == json.loads(json.dumps(profile.profile_for_arch("pascal")))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--arch", "pascal"],
+        ["--cc", "6.1"],
+        ["--gpus-from-detect", "--lspci-file", str(REC / "p40.lspci.txt")],
+    ],
+)
+def test_cli_sources_agree(run_cli, argv):
+    code, p, _ = run_cli("profile", "--json", "--pci-ids", str(EXCERPT), *argv)
+    assert code == 0 and p["name"] == "pascal-6.1"
+
+
+def test_cli_no_gpu_is_cpu(run_cli):
+    code, p, _ = run_cli("profile", "--json", "--lspci-file", str(REC / "nogpu.lspci.txt"))
+    assert code == 0 and p["name"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--arch", "pascal", "--driver-flavour", "open"], "open-modules-unsupported"),
+        (["--lspci-file", str(REC / "k80-h100.lspci.txt")], "no-common-driver-branch"),
+        (["--arch", "hopper", "--driver-branch", "470"], "driver-branch-unsupported"),
+    ],
+)
+def test_cli_errors(run_cli, argv, error):
+    code, p, err = run_cli("profile", "--json", "--pci-ids", str(EXCERPT), *argv)
+    assert code == EngineError.code
+    assert p["error"] == error
+    assert error in err
+
+
+def test_cli_text(run_cli):
+    code, out, _ = run_cli("profile", "--arch", "pascal", "--driver-branch", "470")
+    assert code == 0
+    assert "driver: 470 proprietary" in out
+    assert "actor_rollout_ref.rollout.name=hf" in out
+
+
+def test_cli_arch_and_cc_exclusive(run_cli):
+    with pytest.raises(SystemExit):
+        run_cli("profile", "--arch", "pascal", "--cc", "6.1")
+
+
+# -- the overrides against verl 0.5.0's config --------------------------------------
+
+
+def _compose(config_dir: Path, group: str, name: str) -> dict[str, Any]:
+    """Enough of Hydra's defaults list for verl's ppo_trainer.yaml."""
+    yaml = pytest.importorskip("yaml")
+    path = config_dir / group / f"{name}.yaml" if group else config_dir / f"{name}.yaml"
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    defaults = data.pop("defaults", [])
+    if "_self_" not in defaults:
+        defaults = [*defaults, "_self_"]
+    out: dict[str, Any] = {}
+    for entry in defaults:
+        if entry == "_self_":
+            _merge(out, data)
+        elif isinstance(entry, str):  # a sibling in the same group
+            _merge(out, _compose(config_dir, group, entry))
+        else:
+            ((key, value),) = entry.items()
+            sub_group, _, package = key.partition("@")
+            node = out
+            for part in (package or sub_group).split("."):
+                node = node.setdefault(part, {})
+            _merge(node, _compose(config_dir, sub_group, value))
+    return out
+
+
+def _merge(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _existing_prefix(config: dict[str, Any], parts: list[str]) -> int:
+    node: Any = config
+    for depth, part in enumerate(parts):
+        if not isinstance(node, dict) or part not in node:
+            return depth
+        node = node[part]
+    return len(parts)
+
+
+@pytest.fixture(scope="module")
+def verl_configs() -> list[dict[str, Any]]:
+    config_dir = VERL_SRC / "verl" / "trainer" / "config"
+    if not (config_dir / "ppo_trainer.yaml").is_file():
+        pytest.skip(f"verl 0.5.0 sdist not unpacked at {VERL_SRC} (set OLDGPU_VERL_SRC)")
+    yaml = pytest.importorskip("yaml")
+    composed = _compose(config_dir, "", "ppo_trainer")
+    # verl's own flattened copy, as a check on the composition above.
+    generated = yaml.safe_load((config_dir / "_generated_ppo_trainer.yaml").read_text())
+    return [composed, generated]
+
+
+@pytest.mark.parametrize("arch", sorted(profile.PROFILES))
+def test_overrides_match_verl_config(verl_configs, arch):
+    overrides = profile.profile_for_arch(arch)["hydra_overrides"]
+    for config in verl_configs:
+        for override in overrides:
+            key = override.split("=", 1)[0]
+            parts = key.lstrip("+").split(".")
+            depth = _existing_prefix(config, parts)
+            if key.startswith("+"):
+                # New keys hang under a section that exists (no typo'd parent).
+                assert depth < len(parts), f"{key}: exists, drop the +"
+                assert depth >= 3, f"{key}: parent {'.'.join(parts[:depth])} too shallow"
+            else:
+                assert depth == len(parts), f"{key}: not in verl's config, needs +"
