@@ -60,9 +60,12 @@ def bad_sites(path: Path) -> list[str]:
     tree = ast.parse(path.read_bytes())
     bad = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "autocast":
-            if names_bf16(node):
-                bad.append(f"{path.name}:{node.lineno}: autocast bf16")
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "autocast"
+            and names_bf16(node)
+        ):
+            bad.append(f"{path.name}:{node.lineno}: autocast bf16")
         if (
             isinstance(node, ast.keyword)
             and node.arg == "attn_implementation"
@@ -127,6 +130,7 @@ def test_manifest_and_originals(verl_tree: Path, verl_pristine: Path, capsys) ->
         "compute_dtype": "fp16",
         "attn_implementation": "eager",
         "profile": None,
+        "device": "cuda",
     }
     pristine = tree_hashes(verl_pristine)
     now = tree_hashes(verl_tree)
@@ -429,3 +433,24 @@ def test_not_a_verl_tree(tmp_path: Path, capsys) -> None:
     code = cli.main(["patch", str(tmp_path), "--json"])
     assert code == 2
     assert json.loads(capsys.readouterr().out)["error"] == "not-a-verl-tree"
+
+
+def test_profile_gives_the_options(verl_tree: Path, capsys) -> None:
+    code, out = run_cli(capsys, str(verl_tree), "--profile", "pascal-6.1", "--check")
+    assert code == 1
+    assert out["options"] == {
+        "compute_dtype": "fp32",
+        "attn_implementation": "sdpa",
+        "profile": "pascal-6.1",
+        "device": "cuda",
+    }
+    argv = ("--profile", "ampere", "--attn-implementation", "sdpa")
+    code, out = run_cli(capsys, str(verl_tree), *argv)
+    assert code == 0
+    assert (out["options"]["compute_dtype"], out["options"]["attn_implementation"]) == (
+        "bf16",
+        "sdpa",  # the flag wins over the profile
+    )
+    compat = (verl_tree / patcher.COMPAT_REL).read_text()
+    assert 'BAKED_COMPUTE_DTYPE = "bf16"' in compat
+    _refused(capsys, verl_tree, "profile-unknown", "--profile", "nosuch")

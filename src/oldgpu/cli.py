@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "oldgpu.profile",
     "oldgpu.patch",
     "oldgpu.doctor",
+    "oldgpu.lockcheck",
 )
 
 

@@ -92,3 +92,15 @@ def test_bad_input_stops_before_any_change(host, extra, variable):
         "getent passwd; ls -la /var/lib /etc/verl; cat /etc/apt/sources.list* 2>/dev/null"
     ).stdout
     assert after == before
+
+
+def test_engine_answers_on_a_host_without_gpu(host):
+    import json
+
+    detect = host.run("oldgpu detect --json")
+    assert detect.rc == 0, detect.stderr
+    assert json.loads(detect.stdout)["gpus"] == []
+    profile = json.loads(host.check_output("oldgpu profile --json"))
+    assert profile["name"] == "cpu" and profile["compute_dtype"] == "fp32"
+    assert host.file("/opt/verl/engine/oldgpu/data/pins.json").is_file
+    assert not host.file("/opt/verl/engine/oldgpu/__pycache__").exists

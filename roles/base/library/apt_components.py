@@ -90,7 +90,10 @@ def edit_deb822(text: str, codename: str, components: list[str]) -> tuple[str, i
 
 
 ONE_LINE = re.compile(
-    r"^(?P<head>\s*deb(?:-src)?\s+(?:\[[^\]]*\]\s+)?\S+\s+)(?P<suite>\S+)(?P<comps>(?:[ \t]+[^\s#]+)*)(?P<tail>[ \t]*(?:#.*)?)$"
+    r"^(?P<head>\s*deb(?:-src)?\s+(?:\[[^\]]*\]\s+)?\S+\s+)"  # type, [options], URI
+    r"(?P<suite>\S+)"
+    r"(?P<comps>(?:[ \t]+[^\s#]+)*)"
+    r"(?P<tail>[ \t]*(?:#.*)?)$"
 )
 
 

@@ -52,6 +52,8 @@ COMPAT_IMPORT = "from verl.utils import oldgpu_compat"
 
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DEVICES = ("cuda", "cpu")
+PROFILE_KEYS = ("compute_dtype", "attn_implementation", "device")  # of profile's patch_options
 # Pascal first: no bf16, no FlashAttention-2; PyTorch's SDPA runs on sm_50+.
 DEFAULT_COMPUTE_DTYPE = "fp32"
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
@@ -62,12 +64,19 @@ class Options:
     compute_dtype: str = DEFAULT_COMPUTE_DTYPE
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     profile: str | None = None
+    # From the profile; lets device-specific patch sets (a cpu one) join via applies().
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise EngineError(
                 "options-invalid",
-                f"compute dtype {self.compute_dtype!r}: expected one of {', '.join(COMPUTE_DTYPES)}",
+                f"compute dtype {self.compute_dtype!r}: "
+                f"expected one of {', '.join(COMPUTE_DTYPES)}",
+            )
+        if self.device not in DEVICES:
+            raise EngineError(
+                "options-invalid", f"device {self.device!r}: expected one of {', '.join(DEVICES)}"
             )
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise EngineError(
@@ -81,6 +90,7 @@ class Options:
             "compute_dtype": self.compute_dtype,
             "attn_implementation": self.attn_implementation,
             "profile": self.profile,
+            "device": self.device,
         }
 
 
@@ -706,29 +716,19 @@ def commit(plan: Plan) -> None:
 
 
 def _profile_options(name: str) -> dict[str, str]:
-    """compute dtype and attention implementation from a named profile (oldgpu.profile)."""
-    try:
-        from oldgpu import profile as profiles
-    except ModuleNotFoundError as exc:
+    """The patch options of a profile: an architecture (``pascal``) or a profile name as
+    ``oldgpu profile`` prints it (``pascal-6.1``, ``cpu``)."""
+    from oldgpu import profile as profiles
+
+    arch, _, cc = name.partition("-")
+    if arch not in profiles.PROFILES:
         raise EngineError(
-            "profile-unavailable",
-            "oldgpu.profile is not installed; give --compute-dtype and --attn-implementation",
-        ) from exc
-    lookup = getattr(profiles, "get_profile", None) or getattr(profiles, "get", None)
-    if lookup is None:
-        raise EngineError("profile-unavailable", "oldgpu.profile has no get_profile(name)")
-    try:
-        found = lookup(name)
-    except KeyError as exc:
-        raise EngineError("profile-unknown", f"no profile named {name!r}") from exc
-    if found is None:
-        raise EngineError("profile-unknown", f"no profile named {name!r}")
-    values = found if isinstance(found, dict) else vars(found)
-    return {
-        key: str(values[key])
-        for key in ("compute_dtype", "attn_implementation")
-        if values.get(key) is not None
-    }
+            "profile-unknown",
+            f"no profile {name!r}: expected an architecture ({', '.join(profiles.PROFILES)}) "
+            "or a name like pascal-6.1",
+        )
+    found = profiles.profile_for_arch(arch, cc or None)["patch_options"]
+    return {key: str(found[key]) for key in PROFILE_KEYS if found.get(key) is not None}
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
@@ -753,7 +753,11 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.add_argument("dir", type=Path, help="verl checkout or unpacked sdist (holds verl/)")
     parser.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, help="default fp32")
     parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, help="default sdpa")
-    parser.add_argument("--profile", help="take the defaults from this oldgpu profile")
+    parser.add_argument(
+        "--profile",
+        help="take the options from this oldgpu profile (pascal, pascal-6.1, cpu, ...); "
+        "--compute-dtype/--attn-implementation override it",
+    )
     parser.add_argument(
         "--check", action="store_true", help="change nothing; exit 1 if changes are needed"
     )
@@ -769,10 +773,7 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
 def run(args: argparse.Namespace) -> Result:
     if args.revert and (args.compute_dtype or args.attn_implementation or args.profile):
         raise EngineError("options-invalid", "--revert takes no patch options")
-    if args.revert:
-        plan = plan_revert(args.dir)
-    else:
-        plan = plan_patch(args.dir, options_from_args(args))
+    plan = plan_revert(args.dir) if args.revert else plan_patch(args.dir, options_from_args(args))
     dry_run = args.check or args.diff
     diff = plan.diff() if args.diff else None
     if not dry_run and plan.changed:

@@ -77,7 +77,8 @@ def attn_implementation() -> str:
     name = os.environ.get(ENV_ATTN_IMPLEMENTATION, "").strip() or BAKED_ATTN_IMPLEMENTATION
     if name not in _ATTN_IMPLEMENTATIONS:
         raise ValueError(
-            f"{ENV_ATTN_IMPLEMENTATION}={name!r}: expected one of {', '.join(_ATTN_IMPLEMENTATIONS)}"
+            f"{ENV_ATTN_IMPLEMENTATION}={name!r}: "
+            f"expected one of {', '.join(_ATTN_IMPLEMENTATIONS)}"
         )
     return name
 

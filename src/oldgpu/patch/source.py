@@ -8,6 +8,7 @@ everything outside a site stays byte-identical (ast offsets are UTF-8 bytes).
 from __future__ import annotations
 
 import ast
+import itertools
 from dataclasses import dataclass
 
 MODULE_SCOPE = "<module>"
@@ -105,7 +106,7 @@ class SourceFile:
 def apply_edits(data: bytes, edits: list[Edit]) -> bytes:
     """Apply non-overlapping edits (all spans refer to ``data``)."""
     ordered = sorted(edits, key=lambda e: (e.start, e.end))
-    for before, after in zip(ordered, ordered[1:], strict=False):
+    for before, after in itertools.pairwise(ordered):
         if after.start < before.end:
             raise ValueError(f"overlapping edits at bytes {before.start}-{before.end}")
     out = []

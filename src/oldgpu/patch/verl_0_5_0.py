@@ -365,7 +365,7 @@ class HfRolloutParamOffload(Patch):
         before = src.line_start(block.lineno)
         after = src.after_line(block.end_lineno)
         load = (
-            f"{indent}# oldgpu: the hf rollout's sharding manager does not reload an offloaded actor\n"
+            f"{indent}# oldgpu: nothing reloads an offloaded actor for the hf rollout\n"
             f'{indent}{self.flag} = self._is_offload_param and self.config.rollout.name == "hf"\n'
             f"{indent}if {self.flag}:\n"
             f"{indent}    load_fsdp_model_to_gpu(self.actor_module_fsdp)\n"
@@ -373,8 +373,10 @@ class HfRolloutParamOffload(Patch):
         offload = (
             f"{indent}if {self.flag}:\n"
             f"{indent}    offload_fsdp_model_to_cpu(self.actor_module_fsdp)\n"
-            f'{indent}    log_gpu_memory_usage("After offload actor model during generate_sequences", '
-            "logger=logger)\n"
+            f"{indent}    log_gpu_memory_usage(\n"
+            f'{indent}        "After offload actor model during generate_sequences",\n'
+            f"{indent}        logger=logger,\n"
+            f"{indent}    )\n"
         )
         lead = "" if src.ends_with_newline(block.end_lineno) else "\n"
         site = Site(

@@ -1,0 +1,98 @@
+"""Does a venv hold exactly what a lock says? (``oldgpu lock-check``)
+
+The python_env role asks this before touching pip, so a converge on a venv
+that already matches downloads nothing; and after installing, so a pip that
+"solved" a conflict by moving torch is caught (pip check stays clean then).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from oldgpu.output import EngineError, Result
+
+# Run inside the venv's interpreter: its distributions, by normalised name.
+_LIST_DISTRIBUTIONS = (
+    "import json, importlib.metadata as m;"
+    "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
+)
+# Tools a venv has that no lock lists.
+_BOOTSTRAP = {"pip", "setuptools", "wheel"}
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise EngineError("lock-unreadable", f"{path}: {exc.strerror}") from exc
+    pins = {}
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==([^\s;]+)", line)
+        if not m:
+            raise EngineError("lock-not-exact", f"{path}:{number}: {raw!r} is not name==version")
+        pins[normalise(m.group(1))] = m.group(2)
+    return pins
+
+
+def installed(python: str) -> dict[str, str]:
+    try:
+        out = subprocess.run(
+            [python, "-c", _LIST_DISTRIBUTIONS], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise EngineError("venv-unusable", f"{python} cannot list its packages: {exc}") from exc
+    return {normalise(k): v for k, v in json.loads(out).items()}
+
+
+def compare(lock: dict[str, str], have: dict[str, str], ignore: set[str] = frozenset()) -> dict:
+    skip = _BOOTSTRAP | {normalise(n) for n in ignore}
+    missing = sorted(n for n in lock if n not in have and n not in skip)
+    mismatched = {
+        n: {"lock": v, "installed": have[n]}
+        for n, v in sorted(lock.items())
+        if n in have and n not in skip and have[n] != v
+    }
+    extra = sorted(n for n in have if n not in lock and n not in skip)
+    return {
+        "matches": not (missing or mismatched or extra),
+        "missing": missing,
+        "mismatched": mismatched,
+        "extra": extra,
+    }
+
+
+def add_parser(subparsers, common) -> None:
+    p = subparsers.add_parser(
+        "lock-check", parents=[common], help="compare a venv with a lock (exit 1 if they differ)"
+    )
+    p.add_argument("lock", type=Path)
+    p.add_argument("--python", required=True, help="the venv's interpreter")
+    p.add_argument(
+        "--ignore", action="append", default=[], help="a package the lock may not list"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> Result:
+    report = compare(read_lock(args.lock), installed(args.python), set(args.ignore))
+    report.update(lock=str(args.lock), python=args.python)
+    if report["matches"]:
+        text = f"{args.python}: matches {args.lock}"
+    else:
+        parts = [f"missing: {', '.join(report['missing'])}"] if report["missing"] else []
+        parts += [
+            f"{n} {d['installed']} (lock {d['lock']})" for n, d in report["mismatched"].items()
+        ]
+        parts += [f"not in lock: {', '.join(report['extra'])}"] if report["extra"] else []
+        text = f"{args.python} differs from {args.lock}: " + "; ".join(parts)
+    return Result(report, text, 0 if report["matches"] else 1)

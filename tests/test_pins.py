@@ -1,0 +1,70 @@
+"""One source of pins: files/pins.json, and the locks derived from it, agree."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from oldgpu import pins
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCKS = {v: ROOT / "files/requirements" / f"{v}.lock" for v in ("pypi", "cu118")}
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    entries = {}
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", line.strip())
+        assert m, f"{path.name}: not an exact pin: {line!r}"
+        name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+        assert name not in entries, f"{path.name}: {name} twice"
+        entries[name] = m.group(2)
+    return entries
+
+
+def is_cuda_own(name: str) -> bool:
+    return bool(re.fullmatch(r"nvidia-.*-cu1[12]", name))
+
+
+@pytest.mark.parametrize("variant", sorted(LOCKS))
+def test_every_pin_is_in_the_lock_at_its_version(variant):
+    lock = read_lock(LOCKS[variant])
+    local = pins.get(f"torch.variants.{variant}.local_version")
+    for name, version in pins.get("python_packages").items():
+        want = version + local if name == "torch" else version
+        assert lock.get(name) == want, f"{variant}.lock has {name}=={lock.get(name)}, pins say {want}"
+
+
+def test_both_locks_agree_on_everything_that_is_not_cuda():
+    pypi, cu118 = (read_lock(LOCKS[v]) for v in ("pypi", "cu118"))
+    common = lambda lock: {  # noqa: E731
+        n: v.split("+")[0] for n, v in lock.items() if not is_cuda_own(n)
+    }
+    assert common(pypi) == common(cu118)
+
+
+def test_cu118_lock_carries_the_cuda11_runtime_torch_requires():
+    cu118 = read_lock(LOCKS["cu118"])
+    for name, version in pins.get("torch.variants.cu118.requires").items():
+        assert cu118[name] == version
+    assert not [n for n in cu118 if n.endswith("-cu12")]
+
+
+def test_triton_is_the_one_torch_requires_and_not_the_articles():
+    assert pins.get("python_packages.triton") == pins.get("torch.triton") == "3.2.0"
+
+
+def test_verl_tag_matches_version_and_commit_is_full():
+    assert pins.get("verl.tag") == "v" + pins.get("verl.version")
+    assert re.fullmatch(r"[0-9a-f]{40}", pins.get("verl.commit"))
+
+
+def test_lock_versions_satisfy_verl_requirements():
+    lock = read_lock(LOCKS["pypi"])
+    # verl 0.5.0's setup.py: numpy<2, tensordict>=0.8.0,<=0.9.1,!=0.9.0
+    assert int(lock["numpy"].split(".")[0]) < 2
+    td = tuple(int(x) for x in lock["tensordict"].split("."))
+    assert (0, 8, 0) <= td <= (0, 9, 1) and td[:2] + td[2:] != (0, 9, 0)
+    assert lock["transformers"].startswith("4.51.")
