@@ -1,6 +1,7 @@
 """lock-check against a real interpreter (the one running these tests)."""
 
 import sys
+
 import pytest
 
 from oldgpu import lockcheck

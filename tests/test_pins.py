@@ -34,7 +34,9 @@ def test_every_pin_is_in_the_lock_at_its_version(variant):
     local = pins.get(f"torch.variants.{variant}.local_version")
     for name, version in pins.get("python_packages").items():
         want = version + local if name == "torch" else version
-        assert lock.get(name) == want, f"{variant}.lock has {name}=={lock.get(name)}, pins say {want}"
+        assert lock.get(name) == want, (
+            f"{variant}.lock has {name}=={lock.get(name)}, pins say {want}"
+        )
 
 
 def test_both_locks_agree_on_everything_that_is_not_cuda():

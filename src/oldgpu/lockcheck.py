@@ -77,9 +77,7 @@ def add_parser(subparsers, common) -> None:
     )
     p.add_argument("lock", type=Path)
     p.add_argument("--python", required=True, help="the venv's interpreter")
-    p.add_argument(
-        "--ignore", action="append", default=[], help="a package the lock may not list"
-    )
+    p.add_argument("--ignore", action="append", default=[], help="a package the lock may not list")
     p.set_defaults(func=run)
 
 

@@ -797,7 +797,11 @@ def run(args: argparse.Namespace) -> Result:
 
 def _text(plan: Plan, dry_run: bool, diff: str | None) -> str:
     if diff is not None:
-        return diff or f"{plan.root}: nothing to change"
+        if diff:
+            return diff
+        return f"{plan.root}: " + (
+            "only oldgpu's records change" if plan.changed else "nothing to change"
+        )
     verb = {"patch": "patch", "revert": "revert"}[plan.action]
     if not plan.changed:
         state = "not patched" if plan.action == "revert" else "already patched as asked"

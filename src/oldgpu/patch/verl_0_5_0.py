@@ -65,7 +65,7 @@ class SitePatch(Patch):
         for scope, count in self._scopes(src.rel):
             if not src.has_scope(scope):
                 raise SiteNotFound(f"no {scope} (looking for {self.what})")
-            nodes = self.old_nodes(src, scope)
+            nodes = sorted(self.old_nodes(src, scope), key=lambda n: (n.lineno, n.col_offset))
             if len(nodes) != count:
                 raise SiteNotFound(
                     f"{scope}: expected {count} {self.what}, found {len(nodes)}"
@@ -289,12 +289,12 @@ class RewardModelDtype(SitePatch):
     def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
         start, end = src.span(node)
         parent = src.parent(node)
-        where = (
-            f"{parent.arg}="
-            if isinstance(parent, ast.keyword)
-            else f"{dotted(getattr(parent, 'func', None))}("
-        )
-        return (Edit(start, end, self.NEW),), f"{where}torch.bfloat16 -> {where}{self.NEW}"
+        if isinstance(parent, ast.keyword):
+            old, new = f"{parent.arg}=torch.bfloat16", f"{parent.arg}={self.NEW}"
+        else:
+            func = dotted(getattr(parent, "func", None))
+            old, new = f"{func}(torch.bfloat16)", f"{func}({self.NEW})"
+        return (Edit(start, end, self.NEW),), f"{old} -> {new}"
 
 
 class HfRolloutParamOffload(Patch):
