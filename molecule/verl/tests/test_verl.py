@@ -23,11 +23,13 @@ def lock_versions():
 
 
 def test_venv_imports_the_stack_at_the_locked_versions(host):
-    out = host.check_output(
-        f"{PY} -c 'import json, torch, triton, transformers, tensordict, ray, verl;"
+    code = (
+        "import json, torch, triton, transformers, tensordict, ray, verl;"
         'print(json.dumps({"torch": torch.__version__, "triton": triton.__version__,'
-        '"transformers": transformers.__version__, "verl": verl.__version__, "verl_file": verl.__file__}))\''
+        '"transformers": transformers.__version__, "verl": verl.__version__,'
+        '"verl_file": verl.__file__}))'
     )
+    out = host.check_output(f"{PY} -c '{code}'")
     seen = json.loads(out)
     want = lock_versions()
     assert seen["torch"] == want["torch"] == "2.6.0"
@@ -57,9 +59,9 @@ def test_pip_check_is_clean(host):
 def test_verl_tree_is_patched_and_the_manifest_matches(host):
     assert host.file("/opt/verl/verl").is_symlink
     assert host.file("/opt/verl/verl/.oldgpu-patch.json").is_file
-    check = host.run(
-        "oldgpu patch /opt/verl/verl --check --profile cpu --compute-dtype fp32 --attn-implementation sdpa"
-    )
+    # The options the role passes for this host's profile (cpu: no GPU here).
+    opts = "--profile cpu --compute-dtype fp32 --attn-implementation sdpa"
+    check = host.run(f"oldgpu patch /opt/verl/verl --check {opts}")
     assert check.rc == 0, check.stdout + check.stderr
 
 
@@ -72,10 +74,11 @@ def test_the_clone_stays_pristine_at_the_pinned_commit(host):
 
 
 def test_fsdp_workers_import_without_flash_attn(host):
-    r = host.run(
-        f'cd /tmp && {PY} -c \'import importlib.util as u; assert u.find_spec("flash_attn") is None;'
-        'import verl.workers.fsdp_workers; print("ok")\''
+    code = (
+        'import importlib.util as u; assert u.find_spec("flash_attn") is None;'
+        'import verl.workers.fsdp_workers; print("ok")'
     )
+    r = host.run(f"cd /tmp && {PY} -c '{code}'")
     assert r.rc == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
