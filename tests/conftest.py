@@ -41,7 +41,7 @@ def verl_sdist(verl_version: str) -> Path:
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            pytest.skip(f"cannot download verl {verl_version} sdist: {proc.stderr[-2000:]}")
+            pytest.fail(f"cannot download verl {verl_version} sdist: {proc.stderr[-2000:]}")
         (archive,) = Path(tmp).glob(f"verl-{verl_version}.tar.gz")
         target = cache / archive.name
         os.replace(archive, target)

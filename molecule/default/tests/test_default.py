@@ -102,5 +102,5 @@ def test_engine_answers_on_a_host_without_gpu(host):
     assert json.loads(detect.stdout)["gpus"] == []
     profile = json.loads(host.check_output("oldgpu profile --json"))
     assert profile["name"] == "cpu" and profile["compute_dtype"] == "fp32"
-    assert host.file("/opt/verl/engine/oldgpu/data/pins.json").is_file
-    assert not host.file("/opt/verl/engine/oldgpu/__pycache__").exists
+    assert host.file("/opt/verl/engine/current/oldgpu/data/pins.json").is_file
+    assert not host.file("/opt/verl/engine/current/oldgpu/__pycache__").exists
