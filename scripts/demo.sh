@@ -5,8 +5,13 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 name=p40-demo
+cache=${OLDGPU_CACHE:-/var/cache/oldgpu}
+scripts/wheelhouse.sh
+scripts/verl-mirror.sh >/dev/null
 if ! podman container exists "$name"; then
-  podman run -d --name "$name" --hostname "$name" --systemd=always localhost/debian12-systemd /sbin/init >/dev/null
+  podman run -d --name "$name" --hostname "$name" --systemd=always \
+    -v "$cache/wheelhouse:/srv/wheelhouse:ro" -v "$cache/verl-mirror:/srv/mirror:ro" \
+    localhost/debian12-systemd /sbin/init >/dev/null
 fi
 [[ $(podman inspect -f '{{.State.Running}}' "$name") == true ]] || podman start "$name" >/dev/null
 for _ in $(seq 30); do
@@ -22,5 +27,11 @@ podman exec "$name" sh -c '
   echo "user:        $(getent passwd verl)";
   for d in /opt/verl /var/lib/verl /var/log/verl /etc/verl/jobs; do stat -c "dir:         %n %U:%G %a" "$d"; done;
   echo "apt:         $(grep -h "^Components:" /etc/apt/sources.list.d/*.sources 2>/dev/null | sort -u | tr "\n" " ")";
-  echo "systemd:     $(systemctl is-system-running)"'
+  echo "systemd:     $(systemctl is-system-running)";
+  echo "engine:      $(oldgpu profile --json | python3 -c "import json,sys; p=json.load(sys.stdin); print(p[\"name\"], p[\"compute_dtype\"], p[\"attn_implementation\"], p[\"rollout\"])")";
+  if [ -x /opt/verl/venv/bin/python ]; then
+    echo "venv:        $(readlink /opt/verl/venv)";
+    /opt/verl/venv/bin/python -c "import torch, transformers, verl; print(\"python:      torch\", torch.__version__, \"transformers\", transformers.__version__, \"verl\", verl.__version__, \"from\", verl.__file__)";
+  fi;
+  [ -L /opt/verl/verl ] && echo "verl tree:   $(readlink /opt/verl/verl) ($(oldgpu patch /opt/verl/verl --check --json --profile cpu --compute-dtype fp32 --attn-implementation sdpa >/dev/null && echo patched, manifest matches || echo NOT patched as the profile says))"'
 echo "(make demo-destroy removes it)"

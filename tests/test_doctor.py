@@ -14,6 +14,7 @@ from oldgpu import cli, detect, doctor
 DATA = Path(__file__).parent / "data"
 REC = DATA / "detect"
 EXCERPT = DATA / "pci.ids.excerpt"
+H200_FACTS = DATA / "doctor" / "h200-torch2.11-cu130.facts.json"
 
 # torch.cuda.get_arch_list() of the builds the tests stand for.
 CU118 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
@@ -391,6 +392,36 @@ def test_memory_thresholds():
     assert checks(healthy_p40(mem_available=None))["host-memory"]["status"] == "warn"
 
 
+def test_recorded_h200_host():
+    f = json.loads(H200_FACTS.read_text())
+    report = doctor.evaluate(f)
+    c = {x["id"]: x for x in report["checks"]}
+    assert report["profile"] == "hopper-9.0" and report["ok"] is True
+    assert {k: x["status"] for k, x in c.items()} == {
+        "driver": "ok",
+        "gpu-capability": "ok",
+        "torch-build": "warn",  # torch 2.11.0+cu130 is not the pin
+        "triton": "ok",
+        "flash-attn": "warn",  # the hopper profile would use flash_attention_2
+        "verl-patch": "skip",
+        "gpu-memory": "ok",
+        "host-memory": "ok",
+        "bf16": "ok",
+    }
+    assert "not the pinned torch 2.6.0" in c["torch-build"]["seen"]
+    assert "triton 3.6.0" in c["triton"]["seen"]
+    assert "here it says True" in c["bf16"]["seen"]
+
+
+def test_recorded_cu130_torch_in_front_of_a_p40():
+    p = json.loads(H200_FACTS.read_text())["probe"]
+    p["torch"]["devices"] = [device(kernel_ok=False, kernel_error=NO_KERNEL)]
+    tb = checks(facts(probe_facts=p))["torch-build"]
+    assert tb["status"] == "fail"
+    assert "no kernels for CC 6.1 (built for sm_75 sm_80" in tb["seen"]
+    assert "a test kernel on cuda:0 failed" in tb["seen"]
+
+
 # -- the verl check over recorded patcher answers ------------------------------------
 
 
@@ -672,7 +703,7 @@ def test_cli_cpu_host_exits_0(run_cli):
     assert out["facts"]["probe"]["python"] == sys.executable
 
 
-def test_cli_p40_host_without_cuda_torch_exits_3(run_cli):
+def test_cli_p40_host_without_a_venv_exits_3(run_cli):
     code, text, _ = run_cli(
         "doctor",
         "--nvidia-smi-file",
@@ -681,6 +712,8 @@ def test_cli_p40_host_without_cuda_torch_exits_3(run_cli):
         str(EXCERPT),
         "--min-free-host-mib",
         "1",
+        "--python",
+        "/nonexistent/bin/python",
     )
     assert code == doctor.DOCTOR_FAILED == 3
     lines = text.splitlines()

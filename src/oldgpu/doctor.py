@@ -594,8 +594,19 @@ def check_driver(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) -> di
             f"driver {version} >= {floor}, enough for torch's CUDA {cuda} (minor-version "
             f"compatibility); the project's CUDA {pinned_cuda} wants >= {full}",
         )
+    elif _vcmp(version, full) >= 0:
+        c.add(
+            "ok",
+            f"driver {version} >= {full}, CUDA {pinned_cuda}'s minimum (the project's); what "
+            f"torch's CUDA {cuda} needs is not known here (see torch-build)",
+        )
     else:
-        c.add("warn", f"driver {version}: cannot tell what CUDA {cuda} needs", _driver_fix(prof))
+        c.add(
+            "warn",
+            f"driver {version}: older than CUDA {pinned_cuda}'s {full}, and what torch's "
+            f"CUDA {cuda} needs is not known here",
+            _driver_fix(prof),
+        )
     undriven = [g for g in gpus if g.get("index") is None]
     if undriven and drv.get("nvidia_smi") == "ok":
         names = ", ".join(f"{g.get('name')} at {g.get('bus_id')}" for g in undriven)
