@@ -37,7 +37,10 @@ unit: bootstrap
 	@venv=$$(scripts/engine-venv.sh) && cd $(CURDIR) && \
 	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
 
+# Scenarios mount the shared wheelhouse and the local verl mirror.
 molecule: image
+	@scripts/wheelhouse.sh
+	@scripts/verl-mirror.sh >/dev/null
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
 test: lint unit molecule

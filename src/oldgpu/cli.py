@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "oldgpu.patch",
     "oldgpu.doctor",
     "oldgpu.lockcheck",
+    "oldgpu.plan",
 )
 
 

@@ -40,9 +40,9 @@ def test_driver_package_at_the_chosen_branch_and_held(host):
     version = _version(host, "nvidia-driver")
     print(f"nvidia-driver {version}")
     assert version.startswith(BRANCH + ".")
-    selections = dict(
-        line.split() for line in host.check_output("dpkg --get-selections " + " ".join(HELD)).splitlines()
-    )
+    out = host.check_output("dpkg --get-selections " + " ".join(HELD))
+    # Multi-arch libraries are listed as name:amd64.
+    selections = {name.split(":")[0]: state for name, state in map(str.split, out.splitlines())}
     print("selections:", selections)
     assert selections == dict.fromkeys(HELD, "hold")
     # The pin keeps another branch's version from ever being the candidate.
@@ -70,7 +70,9 @@ def test_dkms_built_the_module_for_the_installed_headers(host):
     for kernel in kernels:
         # The headers' kernel, not `uname -r`: a container runs the host's kernel.
         assert re.search(
-            rf"^nvidia-current/{re.escape(module)}, {re.escape(kernel)}, \S+: installed$", status, re.M
+            rf"^nvidia-current/{re.escape(module)}, {re.escape(kernel)}, \S+: installed$",
+            status,
+            re.M,
         ), status
         ko = host.file(f"/lib/modules/{kernel}/updates/dkms/nvidia-current.ko")
         assert ko.exists
@@ -96,7 +98,9 @@ def test_nvcc_is_cuda_11_8(host):
     toolkit = _version(host, CUDA["debian_toolkit_package"])
     print(f"{CUDA['debian_toolkit_package']} {toolkit}")
     assert toolkit.startswith(CUDA["debian_toolkit_version"])
-    held = host.check_output(f"dpkg --get-selections {CUDA['debian_toolkit_package']} nvidia-cuda-dev")
+    held = host.check_output(
+        f"dpkg --get-selections {CUDA['debian_toolkit_package']} nvidia-cuda-dev"
+    )
     assert held.split()[1::2] == ["hold", "hold"], held
 
 
@@ -122,7 +126,9 @@ def test_profile_d_exports_cuda_for_login_shells(host):
     assert "/usr/local/cuda/lib64" in ld_path.split(":")
     assert nvcc == "/usr/local/cuda/bin/nvcc"
     # Sourcing it twice adds nothing twice.
-    twice = host.check_output("bash -c '. /etc/profile.d/cuda.sh; . /etc/profile.d/cuda.sh; echo $PATH'")
+    twice = host.check_output(
+        "bash -c '. /etc/profile.d/cuda.sh; . /etc/profile.d/cuda.sh; echo $PATH'"
+    )
     assert twice.split(":").count("/usr/local/cuda/bin") == 1
 
 
