@@ -248,3 +248,13 @@ def test_reboot_only_off_local_connections_and_outside_containers(rendered):
     assert container[1] == f"{keys[1]}: the play runs on a local connection"
     for line in container[:1] + container[3:]:
         assert line.endswith(": this host is a container (podman)"), line
+
+
+def test_cuda_says_whether_the_driver_meets_its_minimum(rendered):
+    fits = decided(rendered, "bookworm")["driver_fits"]
+    assert [f.split(":")[0] for f in fits] == ["ok", "ok", "compat", "too-old", "none"]
+    assert fits[0].endswith(f"meets CUDA 11.8's minimum {PINS['cuda']['min_driver']}")
+    # 470: said plainly, not a failure.
+    assert "WARNING: driver 470.256.02" in fits[2] and "minor-version compatibility" in fits[2]
+    assert "cannot run CUDA 11.8" in fits[3]
+    assert fits[4].startswith("none: no NVIDIA driver is installed")

@@ -98,7 +98,7 @@ def test_model_dir_without_config_is_refused(tmp_path):
 def test_kv_cache_formula():
     inp = inputs()
     c = plan.Choice(16, 16, 1, 1, 1, True, plan.Offload())
-    kv = plan.estimate_phase(inp, c, "generate").transient["kv_cache"]
+    kv = plan.estimate_phase(inp, c, "generate").moments["decode"]["kv_cache"]
     # 2 * layers * kv_heads * head_dim * 4 B * batch * (prompt + response), one layer doubled
     expect = 2 * 24 * 2 * 64 * 4 * 16 * 512 * (1 + 1 / 24) / plan.MIB
     assert kv == pytest.approx(expect)
@@ -110,28 +110,53 @@ def test_fp32_is_16_bytes_per_trained_param_and_bf16_less_in_compute():
     c = plan.Choice(16, 16, 4, 4, 4, True, plan.Offload())
     fp32 = plan.estimate_phase(inputs(), c, "actor_update")
     bf16 = plan.estimate_phase(inputs(compute_dtype="bf16"), c, "actor_update")
-    assert bf16.transient["logits"] == pytest.approx(fp32.transient["logits"] / 2)
+    logits = [e.moments["backward"]["logits"] for e in (fp32, bf16)]
+    assert logits[1] == pytest.approx(logits[0] / 2)
+    assert bf16.resident["ref_weights"] == pytest.approx(fp32.resident["ref_weights"] / 2)
     assert "actor_unsharded_weights" in bf16.resident  # the bf16 compute copy
     assert fp32.resident["actor_adam"] == pytest.approx(QWEN05.params() * 8 / plan.MIB)
 
 
 def test_offload_removes_state_outside_its_phase_only():
+    # several GPUs: FULL_SHARD, the shards leave the GPU
+    inp = inputs(gpus=2)
+    off = plan.Offload(True, True, True, True)
+    c = plan.Choice(16, 16, 1, 1, 1, True, off)
+    gen = plan.estimate_phase(inp, c, "generate")
+    assert "critic_weights" not in gen.resident and "actor_adam" not in gen.resident
+    assert "ref_weights" not in gen.resident
+    assert "actor_weights" in gen.resident  # generation needs the actor
+    upd = plan.estimate_phase(inp, c, "actor_update")
+    assert {"actor_weights", "actor_grads", "actor_adam"} <= set(upd.resident)
+    assert "critic_weights" not in upd.resident
+    ref = plan.estimate_phase(inp, c, "ref_log_prob")
+    assert set(ref.resident) == {"ref_weights"}
+
+
+def test_param_offload_frees_nothing_on_one_gpu():
+    """verl 0.5.0 on one GPU (FSDP1 NO_SHARD): the module's views keep the GPU weights;
+    reloading makes a second copy. Optimizer offload does free Adam's moments."""
     off = plan.Offload(True, True, True, True)
     c = plan.Choice(16, 16, 1, 1, 1, True, off)
     gen = plan.estimate_phase(inputs(), c, "generate")
-    assert "critic_weights" not in gen.resident and "actor_adam" not in gen.resident
-    assert "actor_weights" in gen.resident  # generation needs the actor
-    upd = plan.estimate_phase(inputs(), c, "actor_update")
-    assert {"actor_weights", "actor_grads", "actor_adam"} <= set(upd.resident)
-    assert "critic_weights" not in upd.resident
-    ref = plan.estimate_phase(inputs(), c, "ref_log_prob")
-    assert set(ref.resident) == {"ref_weights"}
+    assert {"actor_weights", "critic_weights", "ref_weights"} <= set(gen.resident)
+    assert "actor_adam" not in gen.resident and "critic_adam" not in gen.resident
+    assert gen.peak_moment == "reload"
+    assert plan.estimate_phase(inputs(), c, "critic_values").peak_moment == "reload"
+    opt = plan.Offload(actor_optimizer=True, critic_optimizer=True)
+    none = plan.Choice(16, 16, 1, 1, 1, True, opt)
+    for phase in plan.PHASES:
+        with_param = plan.estimate_phase(inputs(), c, phase)
+        without = plan.estimate_phase(inputs(), none, phase)
+        assert with_param.resident == without.resident
 
 
 def test_checkpointing_shrinks_activations():
     on = plan.Choice(16, 16, 4, 4, 4, True, plan.Offload())
     est_on = plan.estimate_phase(inputs(), on, "actor_update")
-    est_off = plan.estimate_phase(inputs(), replace(on, gradient_checkpointing=False), "actor_update")
+    est_off = plan.estimate_phase(
+        inputs(), replace(on, gradient_checkpointing=False), "actor_update"
+    )
     assert est_on.transient["activations"] * 5 < est_off.transient["activations"]
 
 
@@ -145,9 +170,53 @@ MEASURED = {
         12.95,
         17.75,
     ),
-    # batch 16, micro 4, no offload: 22.35 allocated / 33.65 reserved
-    "batch16": (plan.Choice(16, 16, 4, 4, 4, True, plan.Offload()), 22.35, 33.65),
+    # batch 16, micro 4, no offload: 22.35 allocated / 33.65 reserved. Gradient
+    # checkpointing was off in that run: the replication below gives 22882 MiB allocated
+    # with it off (the run: 22886) and 18922 with it on.
+    "batch16": (plan.Choice(16, 16, 4, 4, 4, False, plan.Offload()), 22.35, 33.65),
 }
+
+
+def test_the_measured_batch16_setting_does_not_fit_a_p40():
+    choice = MEASURED["batch16"][0]
+    phases = plan.estimate(inputs(), choice)
+    assert max(p.peak for p in phases.values()) > plan.cap_mib(inputs())
+
+
+# Per-phase peak allocated MiB of oldgpu's replication of verl 0.5.0's memory path on the
+# lent H200 (torch 2.11, transformers 4.51.3; real FSDP1 with verl's wrapping and offload
+# functions, HF generate, verl's log-prob/entropy code, foreach AdamW; Qwen2.5-0.5B shape,
+# fp32, sdpa, prompt 256 + response 256; the second of two steps). The last three ran
+# with the allocator capped at a P40's 22528 MiB cap less the CUDA context (22028 MiB).
+# ((batch, micro, log-prob micro, checkpointing, offload flags), MiB per phase of PHASES)
+REPLICATION = {
+    "B16m4gc1": ((16, 4, 4, True, (0, 0, 0, 0)), (13645, 15635, 15144, 13406, 17029, 18922)),
+    "B16m4gc0": ((16, 4, 4, False, (0, 0, 0, 0)), (13644, 15634, 15143, 13405, 20581, 22882)),
+    "B1m1gc1all": ((1, 1, 1, True, (1, 1, 1, 1)), (7604, 7604, 7604, 7604, 13260, 13263)),
+    "B1m1gc1act": ((1, 1, 1, True, (1, 1, 0, 0)), (11374, 11374, 11374, 9526, 13260, 17035)),
+    "B16m4lp16gc1": ((16, 4, 16, True, (0, 0, 0, 0)), (13645, 22755, 18155, 13406, 17029, 18920)),
+    "B1m1gc0all": ((1, 1, 1, False, (1, 1, 1, 1)), (7603, 7603, 7603, 7603, 13259, 13265)),
+    "capped-B256m2lp16": (
+        (256, 2, 16, True, (0, 1, 0, 1)),
+        (11901, 15220, 10621, 5798, 13264, 15165),
+    ),
+    "capped-B64m1lp4": ((64, 1, 4, True, (0, 0, 0, 0)), (14805, 15636, 15144, 13297, 17030, 18922)),
+    "capped-B256m4lp16": (
+        (256, 4, 16, True, (0, 1, 0, 1)),
+        (11901, 15220, 10621, 5871, 13264, 15157),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPLICATION))
+def test_each_phase_matches_the_replication(name):
+    (batch, micro, lp_micro, gc, flags), measured = REPLICATION[name]
+    off = plan.Offload(*(bool(f) for f in flags))
+    choice = plan.Choice(batch, batch, micro, micro, lp_micro, gc, off)
+    phases = plan.estimate(inputs(memory_mib=143771), choice)
+    for phase, mib in zip(plan.PHASES, measured, strict=True):
+        # within 2% below (the allocator's rounding) and 8% above (conservative)
+        assert 0.98 * mib <= phases[phase].allocated <= 1.08 * mib, (phase, mib)
 
 
 @pytest.mark.parametrize("name", sorted(MEASURED))
@@ -158,13 +227,7 @@ def test_calibration_reproduces_the_measured_reserved_peak(name):
     est_reserved = max(p.reserved for p in phases.values()) / GiB
     est_allocated = max(p.allocated for p in phases.values()) / GiB
     assert est_reserved == pytest.approx(reserved, rel=0.15), phases
-    assert est_allocated == pytest.approx(allocated, rel=0.25), phases
-
-
-def test_the_measured_batch16_setting_does_not_fit_a_p40():
-    choice = MEASURED["batch16"][0]
-    phases = plan.estimate(inputs(), choice)
-    assert max(p.peak for p in phases.values()) > plan.cap_mib(inputs())
+    assert est_allocated == pytest.approx(allocated, rel=0.10), phases
 
 
 # -- fits / does not fit ------------------------------------------------------------------
@@ -196,8 +259,9 @@ def test_7b_fp32_on_24_gb_is_refused_with_what_to_change():
         plan.plan(inp)
     assert err.value.name == "plan-does-not-fit"
     msg = err.value.message
+    assert msg.startswith("qwen2.5-7b (7.62B params, fp32) does not fit 1 x 24576 MiB")
     assert "actor_update" in msg
-    assert "smaller model" in msg and "qwen2.5-0.5b" in msg
+    assert "smaller model (qwen2.5-0.5b fits)" in msg
     assert "GPUs" in msg
 
 
@@ -209,22 +273,31 @@ def test_tiny_cap_is_refused():
 
 
 def test_long_responses_name_a_length_that_fits():
-    inp = inputs(shape=plan.SHAPES["qwen2.5-1.5b"], memory_mib=40960, response_length=16384)
-    try:
-        plan.plan(inp)
-    except EngineError as err:
-        assert "--response-length" in err.message or "GPUs" in err.message
-    else:  # pragma: no cover - the model moved; the refusal is checked elsewhere
-        pass
+    with pytest.raises(EngineError) as err:
+        plan.plan(inputs(response_length=16384))
+    msg = err.value.message
+    length = int(msg.split("--response-length ")[1].split()[0])
+    assert 256 <= length < 16384
+    assert plan.plan(inputs(response_length=length)).peak <= plan.cap_mib(inputs())
+    with pytest.raises(EngineError):
+        plan.plan(inputs(response_length=length + 1))
 
 
 def test_more_gpus_are_suggested_when_sharding_fits():
-    inp = inputs(shape=plan.SHAPES["qwen2.5-1.5b"], memory_mib=32768)
+    inp = inputs(memory_mib=16384)
     with pytest.raises(EngineError) as err:
         plan.plan(inp)
-    assert "--gpus" in err.value.message
-    wider = plan.plan(replace(inp, gpus=4))
+    assert "--gpus 2 fits" in err.value.message
+    wider = plan.plan(replace(inp, gpus=2))
     check_divisibility(wider.inputs, wider.choice)
+
+
+def test_no_critic_is_suggested_when_it_fits():
+    inp = inputs(shape=plan.SHAPES["qwen2.5-1.5b"], memory_mib=61440, model_name="qwen2.5-1.5b")
+    with pytest.raises(EngineError) as err:
+        plan.plan(inp)
+    assert "--no-critic fits" in err.value.message
+    assert plan.plan(replace(inp, critic=False)).choice.train_batch_size >= 1
 
 
 def test_target_train_batch_is_kept_or_refused():
@@ -237,9 +310,9 @@ def test_target_train_batch_is_kept_or_refused():
 
 
 def test_no_offload_allowed_refuses_what_only_offload_fits():
-    inp = inputs(memory_mib=12288)
+    inp = inputs()
     found = plan.plan(inp)
-    assert found.choice.offload != plan.Offload()
+    assert found.choice.offload == plan.Offload(actor_optimizer=True, critic_optimizer=True)
     with pytest.raises(EngineError) as err:
         plan.plan(replace(inp, max_offload="none"))
     assert "--max-offload all" in err.value.message
@@ -345,10 +418,11 @@ def test_each_profile_plans(capsys, monkeypatch, flags, dtype, rollout):
     assert doc["estimate"]["peak_mib"] <= doc["estimate"]["cap_mib"]
 
 
-def test_bf16_fits_a_larger_batch_than_fp32():
-    fp32 = plan.plan(inputs(memory_mib=16384))
-    bf16 = plan.plan(inputs(memory_mib=16384, compute_dtype="bf16"))
+def test_bf16_needs_no_more_than_fp32():
+    fp32 = plan.plan(inputs())
+    bf16 = plan.plan(inputs(compute_dtype="bf16"))
     assert bf16.choice.train_batch_size >= fp32.choice.train_batch_size
+    assert bf16.choice.log_prob_micro >= fp32.choice.log_prob_micro
 
 
 def test_no_critic_drops_its_keys_and_phases():
@@ -390,7 +464,15 @@ P40_ARGS = (
 def test_cli_json_shape(plan_cli):
     code, doc, _ = plan_cli(*P40_ARGS, "--json")
     assert code == 0
-    assert set(doc) == {"inputs", "model", "choice", "estimate", "hydra_overrides", "reasons"}
+    assert set(doc) == {
+        "inputs",
+        "model",
+        "choice",
+        "estimate",
+        "hydra_overrides",
+        "reasons",
+        "notes",
+    }
     assert doc["model"]["params"] == 494_032_768
     choice = doc["choice"]
     assert set(choice) == {
@@ -415,6 +497,7 @@ def test_cli_json_shape(plan_cli):
     for phase in est["per_phase"].values():
         assert {"peak_mib", "allocated_mib", "reserved_mib", "breakdown"} <= set(phase)
         assert {"resident", "transient", "allocator_reserve", "context"} <= set(phase["breakdown"])
+        assert phase["peak_mib"] >= phase["reserved_mib"] >= phase["allocated_mib"]
     assert len(doc["reasons"]) == len(doc["hydra_overrides"])
     for override, reason in zip(doc["hydra_overrides"], doc["reasons"], strict=True):
         assert reason.startswith(override + ": ") and len(reason) > len(override) + 5
@@ -426,9 +509,10 @@ def test_cli_text_prints_each_override_with_its_estimate(plan_cli):
     assert code == 0
     assert "peak" in out and "cap 22528 MiB" in out
     lines = out.splitlines()
-    i = lines.index("  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=" + out.split(
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
-    )[1].split()[0])
+    i = lines.index(
+        "  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+        + out.split("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=")[1].split()[0]
+    )
     assert "MiB" in lines[i + 1] and lines[i + 1].lstrip().startswith("#")
 
 
@@ -452,7 +536,9 @@ def test_cli_reads_a_model_dir(plan_cli, tmp_path):
         "tie_word_embeddings": True,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    code, doc, _ = plan_cli("--gpu-mib", "8192", "--arch", "pascal", "--model", str(tmp_path), "--json")
+    code, doc, _ = plan_cli(
+        "--gpu-mib", "8192", "--arch", "pascal", "--model", str(tmp_path), "--json"
+    )
     assert code == 0
     assert doc["model"]["hidden_size"] == 64
     assert doc["choice"]["train_batch_size"] == plan.MAX_TRAIN_BATCH
@@ -482,7 +568,7 @@ def test_cli_cpu_without_budget_or_gpu(plan_cli, monkeypatch):
 PLANS_TO_COMPOSE = {
     "p40": inputs(),
     "p40-no-critic-no-ref": inputs(critic=False, ref=False),
-    "p40-offload": inputs(memory_mib=12288),
+    "two-gpus-param-offload": inputs(gpus=2, memory_mib=16384),
     "two-gpus-grpo": inputs(gpus=2, critic=False, rollout_n=4, memory_mib=32768),
     "ampere-vllm": inputs(compute_dtype="bf16", rollout="vllm", memory_mib=40960),
 }

@@ -139,6 +139,12 @@ SAMPLING_LOGITS_COPIES = 3.0
 # torch's foreach AdamW allocates sqrt(exp_avg_sq) for all parameters at once
 # (measured 1886 MiB for 494M fp32 parameters).
 ADAM_STEP_TEMP_COPIES = 1.0
+# The actor is ONE FSDP unit with the HF rollout: at the end of its backward the whole
+# flat gradient exists twice beyond .grad (the incoming gradient and its accumulation;
+# on several GPUs the unsharded gradient before the reduce-scatter). Measured on one GPU:
+# +2 x weights beyond weights, Adam and .grad at micro 1, 2 and 4, except right after a
+# param-offload reload (a fresh flat parameter), where only the Adam step's copy shows.
+ACTOR_GRAD_END_COPIES = 2.0
 # Rollout tensors kept on the GPU per sequence: int64 ids/mask/positions over the
 # sequence and responses; fp32 log-probs, values, advantages, returns, rewards.
 DATA_INT64_SEQ = 3
@@ -585,6 +591,11 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         moments["optimizer_step"] = {
             "adam_sqrt_temp": _mib(ADAM_STEP_TEMP_COPIES * params * p.master / n)
         }
+        reloaded = off.actor_param and cuda and not frees
+        if phase == "actor_update" and not reloaded:
+            moments["backward_end"] = {
+                "flat_gradient_copies": _mib(ACTOR_GRAD_END_COPIES * pa * (cb if n > 1 else p.grad))
+            }
     if cuda and not frees:
         # one GPU: reloading makes a second copy until the first forward (see RELOAD_COPIES)
         reload = 0.0
@@ -712,7 +723,9 @@ def _choose_at(inp: Inputs, batch: int, level: str, off: Offload) -> Choice | No
     m_lp = _pow2_micro(
         rollout,
         LOG_PROB_MICRO_BATCHES,
-        lambda m: fits("actor_log_prob", log_prob_micro=m) and fits("ref_log_prob", log_prob_micro=m),
+        lambda m: (
+            fits("actor_log_prob", log_prob_micro=m) and fits("ref_log_prob", log_prob_micro=m)
+        ),
     )
     if m_lp is None or not fits("generate"):
         return None
@@ -764,9 +777,7 @@ def validate(inp: Inputs) -> None:
     if inp.target_train_batch is not None and inp.target_train_batch < 1:
         raise EngineError("plan-bad-input", "--target-train-batch must be a positive integer")
     if inp.compute_dtype not in PRECISIONS:
-        raise EngineError(
-            "plan-bad-input", f"no memory figures for dtype {inp.compute_dtype!r}"
-        )
+        raise EngineError("plan-bad-input", f"no memory figures for dtype {inp.compute_dtype!r}")
     if inp.device == "cpu" and inp.gpus != 1:
         raise EngineError("plan-bad-input", "the cpu profile plans one worker process: --gpus 1")
 
@@ -781,25 +792,21 @@ def plan(inp: Inputs) -> Plan:
 
 def _does_not_fit(inp: Inputs) -> str:
     """Why the smallest setting does not fit, and which changes would."""
-    levels = offload_levels(inp)
-    level, off = levels[-1]
     batch = inp.target_train_batch or inp.gpus
-    smallest = Choice(batch, batch, 1, 1, 1, True, off, level)
-    phases = estimate(inp, smallest)
-    worst = max(phases, key=lambda k: phases[k].peak)
-    est = phases[worst]
+    tries = []
+    for level, off in offload_levels(inp):
+        phases = estimate(inp, Choice(batch, batch, 1, 1, 1, True, off, level))
+        worst = max(phases, key=lambda k: phases[k].peak)
+        tries.append((phases[worst].peak, level, worst, phases[worst]))
+    _, level, worst, est = min(tries, key=lambda t: t[0])
     top = sorted({**est.resident, **est.transient}.items(), key=lambda kv: -kv[1])[:4]
     parts = ", ".join(f"{k} {v:.0f}" for k, v in top)
-    what = (
-        f"target batch {inp.target_train_batch}"
-        if inp.target_train_batch
-        else f"batch {batch}"
-    )
+    what = f"target batch {inp.target_train_batch}" if inp.target_train_batch else f"batch {batch}"
     head = (
         f"{inp.model_name or 'the model'} ({inp.shape.params() / 1e9:.2f}B params, "
         f"{inp.compute_dtype}) does not fit {inp.gpus} x {inp.memory_mib} MiB: even at {what}, "
-        f"micro batch 1, gradient checkpointing and offload '{level}', the {worst} phase needs "
-        f"{est.peak:.0f} MiB, over the cap of {cap_mib(inp)} MiB ({parts} MiB)."
+        f"micro batch 1, gradient checkpointing and the best offload ('{level}'), the {worst} "
+        f"phase needs {est.peak:.0f} MiB, over the cap of {cap_mib(inp)} MiB ({parts} MiB)."
     )
     fixes = []
     if inp.target_train_batch and search(replace(inp, target_train_batch=None)):
@@ -814,19 +821,20 @@ def _does_not_fit(inp: Inputs) -> str:
         if more:
             fixes.append(f"more GPUs (--gpus {more} fits: FSDP shards weights, grads, Adam)")
         else:
-            fixes.append("more GPUs do not help alone (the unsharded actor still needs a GPU)")
-        if _MAX_OFFLOAD[inp.max_offload] < 4:
-            if search(replace(inp, max_offload="all")):
-                fixes.append("allow offload (--max-offload all)")
+            fixes.append("more GPUs do not help alone (each GPU holds the whole actor unsharded)")
+        capped = _MAX_OFFLOAD[inp.max_offload] < _MAX_OFFLOAD["all"]
+        if capped and search(replace(inp, max_offload="all")):
+            fixes.append("allow offload (--max-offload all)")
+    if inp.critic and search(replace(inp, critic=False)):
+        fixes.append("no critic (GRPO: --no-critic fits)")
+    if inp.ref and search(replace(inp, ref=False)):
+        fixes.append("no reference model (no KL: --no-ref fits)")
     smaller = [
         name
         for name, shape in SHAPES.items()
         if shape.params() < inp.shape.params() and search(replace(inp, shape=shape))
     ]
-    if smaller:
-        fixes.append(f"a smaller model ({', '.join(smaller)} fits)")
-    else:
-        fixes.append("a smaller model")
+    fixes.append(f"a smaller model ({', '.join(smaller)} fits)" if smaller else "a smaller model")
     return f"{head} What to change: {'; '.join(fixes)}."
 
 
@@ -896,15 +904,17 @@ def _reasons(found: Plan) -> dict[str, str]:
     inp, c, ph = found.inputs, found.choice, found.phases
     cap = cap_mib(inp)
 
-    def need(phase: str, **change: Any) -> str:
-        est = estimate_phase(inp, replace(c, **change), phase)
-        return f"{est.peak:.0f} MiB"
+    def peak(phase: str, **change: Any) -> float:
+        return estimate_phase(inp, replace(c, **change), phase).peak
+
+    def item(est: PhaseEstimate, moment: str, key: str) -> float:
+        return est.moments.get(moment, {}).get(key, 0.0)
 
     gen = ph["generate"]
-    kv = gen.transient.get("kv_cache", 0.0)
+    kv = item(gen, "decode", "kv_cache")
     r: dict[str, str] = {}
     batch_line = (
-        f"generate needs {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for "
+        f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for "
         f"{per_gpu_batch(inp, c.train_batch_size)} x {inp.seq} tokens per GPU)"
     )
     cands = batch_candidates(replace(inp, target_train_batch=None))
@@ -914,43 +924,52 @@ def _reasons(found: Plan) -> dict[str, str]:
     elif nxt is None:
         r["data.train_batch_size"] = f"the planner's ceiling ({MAX_TRAIN_BATCH}); {batch_line}"
     else:
-        bigger = replace(c, train_batch_size=nxt)
-        worst = max(ph, key=lambda p: estimate_phase(inp, bigger, p).peak)
+        ok = [lv for lv, b in found.largest_batch.items() if b]
+        why = "no offload level fits it" if ok else "nothing larger fits"
         r["data.train_batch_size"] = (
-            f"the largest that fits: {batch_line}; {nxt} would need "
-            f"{estimate_phase(inp, bigger, worst).peak:.0f} MiB in {worst}"
+            f"the largest that fits ({nxt}: {why}); {batch_line}; peak {found.peak:.0f} MiB "
+            f"in {found.peak_phase}"
         )
     r["data.max_prompt_length"] = f"the input, {inp.prompt_length} tokens"
     r["data.max_response_length"] = f"the input, {inp.response_length} tokens"
     steps = c.train_batch_size // c.ppo_mini_batch_size
     r["actor_rollout_ref.actor.ppo_mini_batch_size"] = (
-        f"{c.train_batch_size} / {c.ppo_mini_batch_size} = {steps} optimizer step(s) per PPO step "
-        f"(aim {inp.ppo_mini_batches}); a multiple of micro {c.actor_micro} x {inp.gpus} GPU"
+        f"{c.train_batch_size} / {c.ppo_mini_batch_size} = {steps} optimizer step(s) per PPO "
+        f"step (aim {inp.ppo_mini_batches}); a multiple of micro {c.actor_micro} x "
+        f"{inp.gpus} GPU(s)"
     )
     upd = ph["actor_update"]
     bigger = next((m for m in reversed(MICRO_BATCHES) if m > c.actor_micro), None)
-    more = f"; {bigger} would need {need('actor_update', actor_micro=bigger)}" if bigger else ""
+    share = c.train_batch_size // inp.gpus
+    more = ""
+    if bigger and share % bigger == 0:
+        more = f"; {bigger} would need {peak('actor_update', actor_micro=bigger):.0f} MiB"
     r["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] = (
-        f"actor_update {upd.peak:.0f} MiB (activations "
-        f"{upd.transient.get('activations', 0):.0f}, logits {upd.transient.get('logits', 0):.0f} "
-        f"= {LOGITS_TRAIN_COPIES:g} x {c.actor_micro} x {inp.seq} x {inp.shape.vocab_size} x "
-        f"{inp.precision.compute} B){more}"
+        f"the largest that fits: actor_update {upd.peak:.0f} MiB at its {upd.peak_moment} "
+        f"(backward: activations {item(upd, 'backward', 'activations'):.0f}, logits "
+        f"{item(upd, 'backward', 'logits'):.0f} = {LOGITS_TRAIN_COPIES:g} x {c.actor_micro} x "
+        f"{inp.seq} x {inp.shape.vocab_size} x {inp.precision.compute} B){more}"
     )
     alp = ph["actor_log_prob"]
+    bigger_lp = next((m for m in reversed(LOG_PROB_MICRO_BATCHES) if m > c.log_prob_micro), None)
+    more_lp = ""
+    if bigger_lp and bigger_lp <= per_gpu_batch(inp, c.train_batch_size):
+        more_lp = f"; {bigger_lp} would need {peak('actor_log_prob', log_prob_micro=bigger_lp):.0f}"
     r["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] = (
+        f"the largest that fits (no gradients, so at least the train micro where it fits): "
         f"actor_log_prob {alp.peak:.0f} MiB (logits with entropy "
-        f"{alp.transient.get('logits', 0):.0f}); no gradients, so it may exceed the train micro"
+        f"{item(alp, 'logits', 'logits'):.0f}){more_lp}"
     )
     if inp.ref:
         rlp = ph["ref_log_prob"]
         r["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = (
-            f"ref_log_prob {rlp.peak:.0f} MiB (ref weights {rlp.resident['ref_weights']:.0f} "
-            f"come to the GPU for it)"
+            f"as the rollout's: ref_log_prob {rlp.peak:.0f} MiB (logits "
+            f"{item(rlp, 'logits', 'logits'):.0f}, ref weights {rlp.resident['ref_weights']:.0f})"
         )
     gc_off = estimate_phase(inp, replace(c, gradient_checkpointing=False), "actor_update")
     r["actor_rollout_ref.model.enable_gradient_checkpointing"] = (
-        f"on: actor_update activations {upd.transient.get('activations', 0):.0f} MiB, "
-        f"{gc_off.transient.get('activations', 0):.0f} MiB without ({gc_off.peak:.0f} MiB peak); "
+        f"on: actor_update activations {item(upd, 'backward', 'activations'):.0f} MiB, "
+        f"{item(gc_off, 'backward', 'activations'):.0f} without ({gc_off.peak:.0f} MiB peak); "
         f"recompute is cheap next to generation"
     )
     lvl = [name for name, _ in offload_levels(inp)]
@@ -965,35 +984,76 @@ def _reasons(found: Plan) -> dict[str, str]:
             if less
             else f": with '{lvl[idx - 1]}' nothing fits"
         )
-    off_line += f"; peak {found.peak:.0f} MiB in {found.peak_phase}"
-    r["actor_rollout_ref.actor.fsdp_config.param_offload"] = off_line
-    r["actor_rollout_ref.actor.fsdp_config.optimizer_offload"] = off_line
+    for key in (
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+        "critic.model.fsdp_config.param_offload",
+        "critic.model.fsdp_config.optimizer_offload",
+    ):
+        r[key] = off_line
+    if not param_offload_frees(inp) and inp.device == "cuda":
+        note = (
+            "; on one GPU param offload frees nothing in verl 0.5.0 (FSDP NO_SHARD keeps the "
+            "module's views of the weights) and a reload holds the weights twice"
+        )
+        if c.offload.actor_param:
+            note += ", but a reloaded actor skips the double flat gradient of its backward's end"
+        r["actor_rollout_ref.actor.fsdp_config.param_offload"] += note
+        r["critic.model.fsdp_config.param_offload"] += note.split(", but")[0]
     if c.offload.actor_param and inp.rollout == "hf":
         r["actor_rollout_ref.actor.fsdp_config.param_offload"] += (
             "; needs oldgpu patch's hf-rollout-param-offload"
         )
     if inp.ref:
         r["actor_rollout_ref.ref.fsdp_config.param_offload"] = (
-            "follows the actor's: verl 0.5.0 always wraps the ref with FSDP CPUOffload and the "
+            "follows the actor's: verl 0.5.0 wraps the ref with FSDP CPUOffload itself and the "
             "colocated worker reads the actor's flags"
         )
     if inp.critic:
         r["critic.ppo_mini_batch_size"] = "the actor's (verl's default follows it)"
         cu = ph["critic_update"]
         r["critic.ppo_micro_batch_size_per_gpu"] = (
-            f"critic_update {cu.peak:.0f} MiB (no vocab logits: a value head); at most the "
-            f"actor's micro, so the batch sizes divide"
+            f"the largest that fits, at most the actor's so the sizes divide: critic_update "
+            f"{cu.peak:.0f} MiB at its {cu.peak_moment} (a value head: no vocab logits); "
+            f"critic values use it too"
         )
         r["critic.model.enable_gradient_checkpointing"] = "as the actor's"
-        r["critic.model.fsdp_config.param_offload"] = off_line
-        r["critic.model.fsdp_config.optimizer_offload"] = off_line
     r["actor_rollout_ref.rollout.n"] = f"the input: {inp.rollout_n} responses per prompt"
     if inp.rollout == "vllm":
         r["actor_rollout_ref.rollout.gpu_memory_utilization"] = (
-            "vLLM's share: its weights, KV cache and workspace during generate"
+            "vLLM's share of the GPU: its weights, KV cache and workspace in generate"
         )
-    r["trainer.n_gpus_per_node"] = f"{inp.gpus}: the batch sizes divide by it"
+    r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
     return r
+
+
+def _notes(found: Plan) -> list[str]:
+    inp = found.inputs
+    notes = [
+        "estimates are peak reserved memory as a GPU without memory pressure shows it "
+        f"(reserved = {RESERVE_FACTOR[inp.device]} x allocated) plus the context; under "
+        "pressure the allocator frees its cached blocks before failing, so runs near the "
+        "cap usually need less than estimated",
+    ]
+    if inp.ref:
+        notes.append(
+            "verl builds the ref only with actor_rollout_ref.actor.use_kl_loss=True or "
+            "algorithm.use_kl_in_reward=True; without either, plan with --no-ref"
+        )
+    if inp.critic:
+        notes.append("verl uses the critic only with algorithm.adv_estimator=gae (its default)")
+    else:
+        notes.append("no critic: set an estimator without one (e.g. algorithm.adv_estimator=grpo)")
+    limit = inp.shape.max_position_embeddings
+    if limit and inp.seq > limit:
+        notes.append(f"prompt + response ({inp.seq}) exceeds the model's {limit} positions")
+    if inp.rollout == "vllm":
+        notes.append("vLLM's share is modelled, not measured (the measurements are HF rollout)")
+    if inp.device == "cuda" and inp.gpus > 1:
+        notes.append(
+            "several GPUs: sharding and offload follow FSDP's design; only one GPU was measured"
+        )
+    return notes
 
 
 def payload(found: Plan) -> dict[str, Any]:
@@ -1062,6 +1122,7 @@ def payload(found: Plan) -> dict[str, Any]:
         },
         "hydra_overrides": overrides,
         "reasons": [f"{o}: {reasons.get(o.split('=', 1)[0], '')}" for o in overrides],
+        "notes": _notes(found),
     }
 
 
@@ -1072,8 +1133,7 @@ def text(doc: Mapping[str, Any]) -> str:
         f"on {i['gpus']} x {i['memory_mib']} MiB ({i['profile']}, {i['rollout']} rollout), "
         f"prompt {i['prompt_length']} + response {i['response_length']}",
         f"peak {e['peak_mib']} MiB in {e['peak_phase']}, cap {e['cap_mib']} MiB",
-        "phases (MiB): "
-        + ", ".join(f"{k} {v['peak_mib']}" for k, v in e["per_phase"].items()),
+        "phases (MiB): " + ", ".join(f"{k} {v['peak_mib']}" for k, v in e["per_phase"].items()),
         "hydra overrides:",
     ]
     for line in doc["reasons"]:
@@ -1081,6 +1141,7 @@ def text(doc: Mapping[str, Any]) -> str:
         lines.append(f"  {override}")
         if why:
             lines.append(f"      # {why}")
+    lines += [f"note: {n}" for n in doc["notes"]]
     return "\n".join(lines)
 
 
@@ -1096,8 +1157,7 @@ def _profile_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], list[A
         return profile.profile_for_arch(args.arch), []
     if args.cc:
         return profile.profile_for_cc(args.cc), []
-    report = detect.detect_from_args(args)
-    gpus = [g for g in report["gpus"] if g.get("architecture")]
+    gpus = detect.detect_from_args(args)["gpus"]
     return profile.profile_for_gpus(gpus), gpus
 
 
