@@ -713,7 +713,8 @@ def _torch_fix() -> str:
     build = f"torch=={pins.get('torch.version')}+{pins.get('torch.variant')}"
     return (
         f"install the project's lock into the venv (python_env role): {build} from "
-        f"https://download.pytorch.org/whl/{pins.get('torch.variant')} (kernels for "
+        f"PyTorch's {pins.get('torch.variant')} wheel index, set as python_env_torch_index_url "
+        "(kernels for "
         f"sm_{pins.get('torch.cuda_arch_list')[0].replace('.', '')} and up)"
     )
 
@@ -1136,7 +1137,8 @@ KNOWN_ERRORS: tuple[tuple[str, str, str, str, str], ...] = (
         "the wheel's arch list that matters, not the host's CUDA toolkit (nvcc) the seed article "
         "blames",
         "install torch 2.6.0+cu118 (kernels for sm_50..sm_90; sm_61 runs the sm_60 code) from "
-        "https://download.pytorch.org/whl/cu118 with the project's lock; `oldgpu doctor --python "
+        "PyTorch's cu118 wheel index (python_env_torch_index_url) with the project's lock; "
+        "`oldgpu doctor --python "
         "VENV/bin/python` shows the build's arch list; pip uninstall flash-attn on pre-Ampere",
     ),
     (
