@@ -34,4 +34,19 @@ podman exec "$name" sh -c '
     /opt/verl/venv/bin/python -c "import torch, transformers, verl; print(\"python:      torch\", torch.__version__, \"transformers\", transformers.__version__, \"verl\", verl.__version__, \"from\", verl.__file__)";
   fi;
   [ -L /opt/verl/verl ] && echo "verl tree:   $(readlink /opt/verl/verl) ($(oldgpu patch /opt/verl/verl --check --json --profile cpu --compute-dtype fp32 --attn-implementation sdpa >/dev/null && echo patched, manifest matches || echo NOT patched as the profile says))"'
-echo "(make demo-destroy removes it)"
+
+# The smoke job under systemd: start it (a no-op when it runs already), wait
+# for its first PPO step, and show what `oldgpu status` says.
+podman exec "$name" systemctl start verl-train@smoke.service
+echo "== verl-train@smoke started; waiting for its first step =="
+for _ in $(seq 120); do
+  podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager 2>/dev/null |
+    grep -q '^step:' && break
+  state=$(podman exec "$name" systemctl is-active verl-train@smoke.service || true)
+  [[ $state == failed ]] && break
+  sleep 5
+done
+podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager | grep '^step:' | tail -n 2 | cut -c1-300 || true
+echo
+podman exec "$name" oldgpu status
+echo "(journal: podman exec $name journalctl -fu verl-train@smoke; make demo-destroy removes it)"

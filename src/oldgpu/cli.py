@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,7 +21,18 @@ COMMAND_MODULES = (
     "oldgpu.doctor",
     "oldgpu.lockcheck",
     "oldgpu.plan",
+    "oldgpu.jobs",
+    "oldgpu.status",
+    "oldgpu.plot",
+    "oldgpu.smoke",
+    "oldgpu.data",
+    "oldgpu.guard",
 )
+# A module may name the packages it needs beyond the standard library in
+# ``REQUIRES``: the command then re-runs itself with the training venv's
+# interpreter, which has them (the engine itself runs on the system python3).
+VENV_PYTHON_ENV = "OLDGPU_VENV_PYTHON"
+DEFAULT_VENV_PYTHON = "/opt/verl/venv/bin/python"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +52,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _missing(requires: Sequence[str]) -> list[str]:
+    return [name for name in requires if importlib.util.find_spec(name) is None]
+
+
+def _reexec_in_venv(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """Run again under the venv's interpreter when this one lacks a package the command needs."""
+    module = sys.modules.get(getattr(args.func, "__module__", ""), None)
+    missing = _missing(getattr(module, "REQUIRES", ()))
+    if not missing:
+        return
+    venv = os.environ.get(VENV_PYTHON_ENV, DEFAULT_VENV_PYTHON)
+    # A venv's python is a link to the system's: tell them apart by prefix, and
+    # re-run once at most.
+    venv_prefix = os.path.realpath(os.path.dirname(os.path.dirname(venv)))
+    if (
+        os.path.exists(venv)
+        and venv_prefix != os.path.realpath(sys.prefix)
+        and not os.environ.get("OLDGPU_REEXECUTED")
+    ):
+        os.environ["OLDGPU_REEXECUTED"] = "1"
+        os.execv(venv, [venv, "-m", "oldgpu", *argv])
+    raise EngineError(
+        "python-package-missing",
+        f"`oldgpu {args.command}` needs {', '.join(missing)}: run it with the training "
+        f"venv's python (set {VENV_PYTHON_ENV}; {venv} not found)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
+        _reexec_in_venv(args, argv)
         result = args.func(args)
     except EngineError as exc:
         if getattr(args, "json", False):

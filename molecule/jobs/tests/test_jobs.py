@@ -1,0 +1,164 @@
+"""A user's checks of a training job under systemd: it trains, checkpoints, resumes."""
+
+import json
+import re
+import time
+
+import pytest
+from playbook import PROJECT, playbook
+
+UNIT = "verl-train@smoke.service"
+STATE = "/var/lib/verl/jobs/smoke"
+CKPT = f"{STATE}/checkpoints"
+FIRST_STEPS, SECOND_STEPS = 2, 4
+RUN_TIMEOUT_S = 900
+
+
+def show(host, *props):
+    out = host.check_output(f"systemctl show {UNIT} " + " ".join(f"-p {p}" for p in props))
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def run_to_end(host):
+    """Start the unit and wait until systemd says it ended; its journal since the start."""
+    cursor = host.check_output("journalctl -n0 --show-cursor -q | sed -n 's/^-- cursor: //p'")
+    host.check_output(f"systemctl start {UNIT}")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = show(host, "ActiveState", "SubState")
+        if state["ActiveState"] in ("inactive", "failed"):
+            break
+        time.sleep(5)
+    else:
+        pytest.fail(f"{UNIT} still {state} after {RUN_TIMEOUT_S} s")
+    after = f"--after-cursor '{cursor}'" if cursor else ""
+    journal = host.check_output(f"journalctl -u {UNIT} {after} -o cat --no-pager")
+    return show(host, "Result", "ExecMainStatus", "ActiveState"), journal
+
+
+def steps_logged(journal):
+    """{step: metrics line} from verl's console logger ("step:N - key:value - ...")."""
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"step:(\d+) - .*", journal)}
+
+
+@pytest.fixture(scope="module")
+def first_run(host):
+    return run_to_end(host)
+
+
+@pytest.fixture(scope="module")
+def second_run(host, first_run):
+    """The user raises total_steps in the inventory, converges and starts the job again."""
+    job = {
+        "name": "smoke",
+        "model_path": "/var/lib/verl/smoke/model",
+        "train_files": "/var/lib/verl/smoke/data/train.parquet",
+        "val_files": "/var/lib/verl/smoke/data/test.parquet",
+        "total_steps": SECOND_STEPS,
+        "save_freq": 1,
+        "profile": "cpu",
+        "train_batch_size": 4,
+        "prompt_length": 128,
+        "response_length": 16,
+        "overrides": ["actor_rollout_ref.actor.use_kl_loss=True"],
+    }
+    run = playbook("-e", json.dumps({"verl_jobs": [job]}), "--tags", "verl_jobs")
+    assert run.rc == 0, run.output[-3000:]
+    assert run.recap("jobs-host")["changed"] >= 1
+    return run_to_end(host)
+
+
+def test_start_script_and_unit_are_installed(host):
+    script = host.file("/opt/verl/bin/verl-train")
+    assert (script.user, script.group, script.mode) == ("root", "root", 0o755)
+    unit = host.file("/etc/systemd/system/verl-train@.service")
+    assert (unit.user, unit.mode) == ("root", 0o644)
+    # One template for both front-ends: byte for byte the project's file.
+    assert unit.content_string == (PROJECT / "files/systemd/verl-train@.service").read_text()
+    assert host.service(UNIT).is_enabled
+
+
+def test_env_file_is_private_to_root_and_the_group(host):
+    env = host.file("/etc/verl/jobs/smoke.env")
+    assert (env.user, env.group, env.mode) == ("root", "verl", 0o640)
+    assert "VERL_JOB_TOTAL_STEPS='2'" in env.content_string
+
+
+def test_unit_passes_systemd_verify_and_scores_5_or_better(host):
+    out = host.run(f"systemd-analyze security --no-pager {UNIT}")
+    score = re.search(r"Overall exposure level for \S+: ([\d.]+)", out.stdout)
+    assert score, out.stdout[-2000:] + out.stderr
+    assert float(score.group(1)) <= 5.0
+    verify = host.run(f"systemd-analyze verify {UNIT}")
+    assert verify.rc == 0, verify.stderr
+
+
+def test_job_ran_as_verl_and_succeeded(host, first_run):
+    result, journal = first_run
+    assert result["Result"] == "success", journal[-4000:]
+    assert result["ExecMainStatus"] == "0"
+    assert "as user verl" in journal
+    assert show(host, "User")["User"] == "verl"
+
+
+def test_journal_shows_every_step_with_reward_and_kl(first_run):
+    _, journal = first_run
+    steps = steps_logged(journal)
+    assert sorted(steps) == list(range(1, FIRST_STEPS + 1)), journal[-4000:]
+    for line in steps.values():
+        assert "critic/score/mean:" in line
+        assert "actor/kl_loss:" in line
+        assert "actor/pg_loss:" in line and "critic/vf_loss:" in line
+
+
+def test_checkpoints_are_owned_by_verl(host, first_run):
+    for step in range(1, FIRST_STEPS + 1):
+        ckpt = host.file(f"{CKPT}/global_step_{step}")
+        assert ckpt.is_directory and ckpt.user == "verl"
+        assert host.file(f"{CKPT}/global_step_{step}/actor").is_directory
+    latest = host.file(f"{CKPT}/latest_checkpointed_iteration.txt")
+    assert latest.content_string.strip() == str(FIRST_STEPS)
+
+
+def test_tensorboard_events_and_log_file(host, first_run):
+    events = host.check_output(f"find {STATE}/tensorboard -name 'events.out.tfevents.*'")
+    assert events.strip(), "no tensorboard event files"
+    log = host.file("/var/log/verl/smoke.log")
+    assert log.user == "verl"
+    assert "step:1 -" in log.content_string
+
+
+def test_status_reports_the_job(host, first_run):
+    doc = json.loads(host.check_output("oldgpu status --json smoke"))
+    job = doc["jobs"][0] if "jobs" in doc else doc[0]
+    assert job["name"] == "smoke"
+    assert job["last_step"] == FIRST_STEPS and job["total_steps"] == FIRST_STEPS
+
+
+def test_plot_writes_a_png(host, first_run):
+    out = host.check_output("runuser -u verl -- oldgpu plot smoke --out /var/lib/verl/jobs/smoke/plot.png")
+    png = host.file("/var/lib/verl/jobs/smoke/plot.png")
+    assert png.exists and png.size > 10_000, out
+    head = host.check_output("head -c 8 /var/lib/verl/jobs/smoke/plot.png | od -An -tx1")
+    assert head.split() == ["89", "50", "4e", "47", "0d", "0a", "1a", "0a"]
+
+
+def test_second_start_resumes_from_the_checkpoint(host, second_run):
+    result, journal = second_run
+    assert result["Result"] == "success", journal[-4000:]
+    steps = steps_logged(journal)
+    # The step counter continues from the checkpoint; it does not restart at 1.
+    assert sorted(steps) == list(range(FIRST_STEPS + 1, SECOND_STEPS + 1)), journal[-4000:]
+    assert host.file(f"{CKPT}/global_step_{SECOND_STEPS}").is_directory
+    latest = host.file(f"{CKPT}/latest_checkpointed_iteration.txt")
+    assert latest.content_string.strip() == str(SECOND_STEPS)
+
+
+def test_bad_job_is_refused_before_anything_changes(host):
+    bad = {"name": "Bad Name", "model_path": "m", "train_files": "/x", "val_files": "/y",
+           "total_steps": 1}
+    run = playbook("-e", json.dumps({"verl_jobs": [bad]}), "--tags", "verl_jobs")
+    assert run.rc != 0
+    assert "job-config-invalid" in run.output
+    assert run.recap("jobs-host")["changed"] == 0
+    assert not host.file("/etc/verl/jobs/Bad Name.env").exists

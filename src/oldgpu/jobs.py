@@ -1,0 +1,528 @@
+"""``oldgpu job``: one training job's settings, and the verl command they make.
+
+A job is declared once (Ansible's ``verl_jobs`` or the NixOS module's
+``services.verl-train.jobs``) and lands on the host as ``/etc/verl/jobs/<name>.env``:
+only what the user chose. Everything derived — the profile of the GPUs fitted
+now, the planner's batch sizes and offload — is decided here when the job
+starts, so a card swap needs no re-provisioning.
+
+``FIELDS`` is the one list of job settings; the role's argument specs and the
+Nix module's options are tested against it. The env file format is
+``KEY='value'`` per line: systemd's EnvironmentFile= and a shell's ``.`` read it
+alike, so values may hold neither a quote nor a newline.
+
+Exit codes the unit's RestartPreventExitStatus= names: 3, the doctor's
+preflight failed (``oldgpu.doctor.DOCTOR_FAILED``); 4, this job's settings are
+invalid (``CONFIG_INVALID``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oldgpu import detect, profile
+from oldgpu import plan as planner
+from oldgpu.output import EngineError, Result
+
+CONFIG_INVALID = 4
+
+JOBS_DIR = Path("/etc/verl/jobs")
+STATE_DIR = Path("/var/lib/verl/jobs")
+LOG_DIR = Path("/var/log/verl")
+VENV_PYTHON = Path("/opt/verl/venv/bin/python")
+ENV_PREFIX = "VERL_JOB_"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+# What may not appear in a value of the env file (see the module docstring).
+FORBIDDEN = ("'", "\n", "\r", "\\")
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str  # as in the inventory / Nix option
+    kind: str  # str, path, int, list, bool
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+REQUIRED = object()
+
+# fmt: off
+FIELDS: tuple[Field, ...] = (
+    Field("name", "str", REQUIRED, "the job's name: the unit is verl-train@<name>"),
+    Field("model_path", "path", REQUIRED, "a local model directory (config.json, weights, tokenizer)"),  # noqa: E501
+    Field("critic_model_path", "path", "", "the critic's model directory (default: model_path)"),
+    Field("train_files", "path", REQUIRED, "training parquet in verl's layout (oldgpu data)"),
+    Field("val_files", "path", REQUIRED, "validation parquet"),
+    Field("data_source", "str", "openai/gsm8k", "the data_source rows carry; picks verl's reward"),
+    Field("total_steps", "int", REQUIRED, "trainer.total_training_steps"),
+    Field("save_freq", "int", 10, "checkpoint every N steps (resume continues from the last)"),
+    Field("test_freq", "int", -1, "validate every N steps (-1: never)"),
+    Field("gpus", "int", 1, "GPUs per node for this job"),
+    Field("prompt_length", "int", 256, "data.max_prompt_length (the planner's input)"),
+    Field("response_length", "int", 256, "data.max_response_length (the planner's input)"),
+    Field("train_batch_size", "int", 0, "a train batch to plan for (0: the planner chooses)"),
+    Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
+    Field("overrides", "list", [], "extra Hydra overrides, applied last"),
+    Field("enabled", "bool", True, "start the job at boot"),
+)
+# fmt: on
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+# ``enabled`` is systemd's business (the unit's enablement), not the job's env.
+ENV_FIELDS = tuple(f for f in FIELDS if f.name != "enabled")
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError("job-config-invalid", message, code=CONFIG_INVALID)
+
+
+def _check_value(field: Field, value: str) -> None:
+    for bad in FORBIDDEN:
+        if bad in value:
+            raise _invalid(f"{field.name}: {value!r} holds {bad!r}, which an env file cannot")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    model_path: str
+    critic_model_path: str
+    train_files: str
+    val_files: str
+    data_source: str
+    total_steps: int
+    save_freq: int
+    test_freq: int
+    gpus: int
+    prompt_length: int
+    response_length: int
+    train_batch_size: int
+    profile: str
+    overrides: tuple[str, ...]
+
+    # Where its state lives: systemd's StateDirectory= (STATE_DIRECTORY), else the default.
+    def state_dir(self, environ: Mapping[str, str] | None = None) -> Path:
+        env = os.environ if environ is None else environ
+        given = env.get("STATE_DIRECTORY", "").split(":")[0]
+        return Path(given) if given else STATE_DIR / self.name
+
+    def paths(self, environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+        state = self.state_dir(environ)
+        return {
+            "state": state,
+            "checkpoints": state / "checkpoints",
+            "tensorboard": state / "tensorboard",
+            "cache": state / "cache",
+            "plan": state / "plan.json",
+        }
+
+
+def job_from_mapping(values: Mapping[str, Any]) -> Job:
+    """A job from inventory-style values (``name``, ``model_path``, ...), validated."""
+    unknown = sorted(set(values) - set(FIELD_BY_NAME))
+    if unknown:
+        raise _invalid(f"unknown job settings: {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for field in ENV_FIELDS:
+        value = values.get(field.name, field.default)
+        if value is REQUIRED or (value in ("", None) and field.default is REQUIRED):
+            raise _invalid(f"{field.name} is required ({field.help})")
+        if field.kind == "int":
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                raise _invalid(f"{field.name}: {value!r} is not an integer") from None
+        elif field.kind == "list":
+            if isinstance(value, str):
+                raise _invalid(f"{field.name}: expected a list of strings, got a string")
+            value = tuple(str(v) for v in value)
+            for item in value:
+                _check_value(field, item)
+                if '"' in item:  # JSON would escape it with a backslash
+                    raise _invalid(
+                        f"{field.name}: {item!r} holds a double quote; Hydra takes unquoted values"
+                    )  # noqa: E501
+        else:
+            value = str(value)
+            _check_value(field, value)
+            if field.kind == "path" and value and not value.startswith("/"):
+                raise _invalid(f"{field.name}: {value!r} is not an absolute path")
+        out[field.name] = value
+    if not NAME_RE.match(out["name"]):
+        raise _invalid(
+            f"name: {out['name']!r} must be 1-32 of a-z 0-9 _ - (it names a unit and a directory)"
+        )
+    for key in ("total_steps", "gpus", "prompt_length", "response_length"):
+        if out[key] < 1:
+            raise _invalid(f"{key}: {out[key]} must be at least 1")
+    if out["save_freq"] < 1:
+        raise _invalid(
+            f"save_freq: {out['save_freq']} must be at least 1 (resume needs checkpoints)"
+        )
+    if out["train_batch_size"] < 0:
+        raise _invalid("train_batch_size: must be 0 (planner chooses) or a batch size")
+    for item in out["overrides"]:
+        if "=" not in item and not item.startswith("~"):
+            raise _invalid(f"overrides: {item!r} is not a Hydra override (key=value)")
+    if out["profile"] and _profile_name(out["profile"])[0] not in profile.PROFILES:
+        raise _invalid(f"profile: {out['profile']!r} is not one of {sorted(profile.PROFILES)}")
+    return Job(**out)
+
+
+def _profile_name(name: str) -> tuple[str, str | None]:
+    arch, _, cc = name.partition("-")
+    return arch, cc or None
+
+
+def render_env(job: Job) -> str:
+    """The env file, as both front-ends write it (tests compare them with this)."""
+    lines = [f"# verl training job {job.name}: read by verl-train@{job.name}.service"]
+    for field in ENV_FIELDS:
+        value = getattr(job, field.name)
+        text = json.dumps(list(value)) if field.kind == "list" else str(value)
+        lines.append(f"{field.env}='{text}'")
+    return "\n".join(lines) + "\n"
+
+
+def parse_env(text: str, source: str = "env file") -> dict[str, str]:
+    """``KEY='value'`` lines (or unquoted, or double-quoted without escapes)."""
+    env: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key.strip()):
+            raise _invalid(f"{source}:{number}: not KEY=value: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def job_from_env(env: Mapping[str, str]) -> Job:
+    """A job from ``VERL_JOB_*`` variables (the unit's environment or a parsed env file)."""
+    values: dict[str, Any] = {}
+    for field in ENV_FIELDS:
+        if field.env not in env:
+            continue
+        raw = env[field.env]
+        if field.kind == "list":
+            try:
+                values[field.name] = json.loads(raw or "[]")
+            except json.JSONDecodeError as exc:
+                raise _invalid(f"{field.env}: not a JSON list of strings ({exc})") from None
+            if not isinstance(values[field.name], list):
+                raise _invalid(f"{field.env}: not a JSON list of strings")
+        else:
+            values[field.name] = raw
+    return job_from_mapping(values)
+
+
+def load_job(name: str, jobs_dir: Path = JOBS_DIR) -> Job:
+    path = jobs_dir / f"{name}.env"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _invalid(f"cannot read {path}: {exc.strerror}") from None
+    return job_from_env(parse_env(text, str(path)))
+
+
+def job_names(jobs_dir: Path = JOBS_DIR) -> list[str]:
+    try:
+        return sorted(
+            p.name[: -len(".env")]
+            for p in jobs_dir.glob("*.env")
+            if not p.name.endswith(".secrets.env")
+        )
+    except OSError:
+        return []
+
+
+# ---------------------------------------------------------------------------
+# Composing the command.
+
+
+def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The job's forced profile, else the one of the GPUs fitted now."""
+    if job.profile:
+        arch, cc = _profile_name(job.profile)
+        return profile.profile_for_arch(arch, cc)
+    if gpus is None:
+        gpus = detect.detect()["gpus"]
+    return profile.profile_for_gpus(gpus)
+
+
+def plan_inputs(
+    job: Job, prof: Mapping[str, Any], memory_mib: int, model_config: Mapping[str, Any]
+) -> planner.Inputs:
+    return planner.Inputs(
+        memory_mib=int(memory_mib),
+        gpus=job.gpus,
+        shape=planner.shape_from_config(model_config),
+        prompt_length=job.prompt_length,
+        response_length=job.response_length,
+        compute_dtype=prof["compute_dtype"],
+        rollout=prof["rollout"],
+        device=prof["device"],
+        target_train_batch=job.train_batch_size or None,
+        model_name=job.model_path,
+        profile_name=prof["name"],
+    )
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets (``+a.b=1`` -> ``a.b``)."""
+    return override.lstrip("~+").split("=", 1)[0]
+
+
+def merge_overrides(*groups: Iterable[str]) -> list[str]:
+    """Later groups win per key, in the position of the first (Hydra refuses repeats)."""
+    merged: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            key = override_key(item)
+            merged.pop(key, None)
+            merged[key] = item
+    return list(merged.values())
+
+
+def job_overrides(job: Job, paths: Mapping[str, Path]) -> list[str]:
+    """What the job itself decides: data, model, schedule, logging, resume."""
+    critic = job.critic_model_path or job.model_path
+    return [
+        f"data.train_files={job.train_files}",
+        f"data.val_files={job.val_files}",
+        f"actor_rollout_ref.model.path={job.model_path}",
+        f"critic.model.path={critic}",
+        # The tokenizer is the actor's (verl reads it from critic.model.tokenizer_path).
+        f"critic.model.tokenizer_path={job.model_path}",
+        f"trainer.total_training_steps={job.total_steps}",
+        f"trainer.save_freq={job.save_freq}",
+        f"trainer.test_freq={job.test_freq}",
+        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={job.gpus}",
+        "trainer.project_name=verl",
+        f"trainer.experiment_name={job.name}",
+        "trainer.logger=['console','tensorboard']",
+        f"trainer.default_local_dir={paths['checkpoints']}",
+        "trainer.resume_mode=auto",
+        # A unit restart must not spend minutes validating before it trains.
+        "trainer.val_before_train=False",
+    ]
+
+
+def compose(
+    job: Job,
+    prof: Mapping[str, Any],
+    memory_mib: int,
+    model_config: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The planner's choice and verl's argv for this job on this profile."""
+    paths = job.paths(environ)
+    found = planner.plan(plan_inputs(job, prof, memory_mib, model_config))
+    plan_doc = planner.payload(found)
+    argv = [
+        "-m",
+        "verl.trainer.main_ppo",
+        *merge_overrides(
+            prof["hydra_overrides"],
+            plan_doc["hydra_overrides"],
+            job_overrides(job, paths),
+            job.overrides,
+        ),
+    ]
+    return {
+        "job": job.name,
+        "profile": prof["name"],
+        "memory_mib": int(memory_mib),
+        "paths": {k: str(v) for k, v in paths.items()},
+        "plan": plan_doc,
+        "argv": argv,
+        "environment": environment(job, prof, paths),
+    }
+
+
+def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, str]:
+    """What the start script exports before Python (and Ray's workers) start."""
+    env = {
+        "HYDRA_FULL_ERROR": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TENSORBOARD_DIR": str(paths["tensorboard"]),
+        "HF_HOME": str(paths["cache"] / "huggingface"),
+        "XDG_CACHE_HOME": str(paths["cache"]),
+        "OLDGPU_COMPUTE_DTYPE": prof["compute_dtype"],
+        "OLDGPU_ATTN_IMPLEMENTATION": prof["attn_implementation"],
+        # Ray's session files in the unit's private /tmp: one per job, gone when it stops.
+        "RAY_TMPDIR": "/tmp/ray",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    if prof["device"] == "cuda":
+        # Fewer unusable fragments when offload moves tensors in and out.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return env
+
+
+def _memory_mib(prof: Mapping[str, Any], gpus: Sequence[Mapping[str, Any]]) -> int:
+    if prof["device"] == "cpu":
+        available = planner._host_available_mib()
+        if not available:
+            raise _invalid("cannot read MemAvailable from /proc/meminfo for the cpu profile")
+        return available
+    sizes = [g.get("memory_mib") for g in gpus]
+    if not sizes or not all(sizes):
+        raise _invalid("cannot tell the GPUs' memory; is the driver loaded?")
+    return min(sizes)
+
+
+def _model_config(job: Job) -> dict[str, Any]:
+    path = Path(job.model_path) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise _invalid(f"model_path: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"model_path: {path} is not JSON: {exc}") from None
+
+
+def compose_for_host(
+    job: Job,
+    environ: Mapping[str, str] | None = None,
+    args: argparse.Namespace | None = None,
+) -> dict[str, Any]:
+    """``compose`` with this host's facts: its GPUs (unless the job's profile is cpu),
+    their memory or the host's, the model's config."""
+    if job.profile == "cpu":
+        gpus: list[Mapping[str, Any]] = []
+    else:
+        gpus = detect.detect_from_args(args or argparse.Namespace())["gpus"]
+    prof = resolve_profile(job, gpus)
+    if prof["device"] == "cuda" and not gpus:
+        raise _invalid(f"profile {prof['name']} needs a GPU and none was detected")
+    for key in ("train_files", "val_files"):
+        if not Path(getattr(job, key)).exists():
+            raise _invalid(f"{key}: {getattr(job, key)} does not exist")
+    try:
+        return compose(job, prof, _memory_mib(prof, gpus), _model_config(job), environ)
+    except EngineError as exc:
+        if exc.code == CONFIG_INVALID:
+            raise
+        # The planner refusing (does not fit) is a config error too: restarting won't help.
+        raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
+
+
+def _read_job(args: argparse.Namespace) -> Job:
+    if args.env_file:
+        path = Path(args.env_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _invalid(f"cannot read {path}: {exc.strerror}") from None
+        return job_from_env(parse_env(text, str(path)))
+    if args.name:
+        return load_job(args.name, Path(args.jobs_dir))
+    return job_from_env(os.environ)
+
+
+def _command_text(doc: Mapping[str, Any]) -> str:
+    lines = [f"job {doc['job']}: profile {doc['profile']}, memory {doc['memory_mib']} MiB"]
+    lines += [f"  {k}={v}" for k, v in doc["environment"].items()]
+    lines.append("  python " + " ".join(doc["argv"]))
+    return "\n".join(lines)
+
+
+def run_command(args: argparse.Namespace) -> Result:
+    doc = compose_for_host(_read_job(args), args=args)
+    if args.write_plan:
+        target = Path(doc["paths"]["plan"])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        tmp.replace(target)
+    if args.print0:
+        # For the start script: the environment as NAME=value, a blank, then the argv.
+        out = [f"{k}={v}" for k, v in doc["environment"].items()] + [""] + doc["argv"]
+        sys.stdout.write("".join(item + "\0" for item in out))
+        sys.stdout.flush()
+        return Result(doc)
+    return Result(doc, _command_text(doc))
+
+
+def run_env(args: argparse.Namespace) -> Result:
+    """Render a job's env file from inventory-style JSON (what the front-ends write)."""
+    try:
+        values = json.loads(
+            Path(args.spec).read_text(encoding="utf-8") if args.spec != "-" else sys.stdin.read()
+        )
+    except (OSError, json.JSONDecodeError) as exc:
+        raise _invalid(f"cannot read a JSON job from {args.spec}: {exc}") from None
+    job = job_from_mapping(values)
+    text = render_env(job)
+    return Result({"name": job.name, "env": text}, text)
+
+
+def run_fields(args: argparse.Namespace) -> Result:
+    doc = [
+        {
+            "name": f.name,
+            "env": f.env if f in ENV_FIELDS else None,
+            "type": f.kind,
+            "required": f.default is REQUIRED,
+            "default": None if f.default is REQUIRED else f.default,
+            "help": f.help,
+        }
+        for f in FIELDS
+    ]
+    text = "\n".join(f"{d['name']:<18} {d['type']:<5} {d['help']}" for d in doc)
+    return Result(doc, text)
+
+
+def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "job",
+        parents=[common],
+        help="a training job's settings and the verl command they make",
+        description=__doc__.split("\n\n")[0],
+    )
+    sub = parser.add_subparsers(dest="job_command", required=True)
+    cmd = sub.add_parser(
+        "command",
+        parents=[common],
+        help="the profile, the plan and verl's argv for a job on this host",
+    )
+    source = cmd.add_mutually_exclusive_group()
+    source.add_argument("--name", help=f"a job under --jobs-dir (default {JOBS_DIR})")
+    source.add_argument("--env-file", metavar="FILE", help="a job's env file")
+    cmd.add_argument("--jobs-dir", default=str(JOBS_DIR), help=argparse.SUPPRESS)
+    cmd.add_argument(
+        "--print0",
+        action="store_true",
+        help="NUL-separated NAME=value environment, an empty item, then the argv",
+    )
+    cmd.add_argument(
+        "--write-plan", action="store_true", help="also save the result as the job's plan.json"
+    )
+    detect.add_source_args(cmd)
+    cmd.set_defaults(func=run_command)
+    env = sub.add_parser("env", parents=[common], help="render a job's env file from JSON")
+    env.add_argument("spec", help="a JSON object with the job's settings, or - for stdin")
+    env.set_defaults(func=run_env)
+    fields = sub.add_parser("fields", parents=[common], help="the settings a job has")
+    fields.set_defaults(func=run_fields)

@@ -1,0 +1,353 @@
+"""Jobs: the env file both front-ends write, and the verl command a job makes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oldgpu import jobs, profile
+from oldgpu.output import EngineError
+
+ROOT = Path(__file__).resolve().parents[1]
+DETECT = ROOT / "tests/data/detect"
+START = ROOT / "files/bin/verl-train"
+SPECS = ROOT / "roles/verl_jobs/meta/argument_specs.yml"
+
+QWEN05B = {  # Qwen2.5-0.5B's public config.json, the fields the planner reads
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+}
+GPUS = {  # recorded nvidia-smi and lspci output
+    "p40": ("p40.nvidia-smi.csv", "p40.lspci.txt"),
+    "v100": ("v100.nvidia-smi.csv", "v100.lspci.txt"),
+}
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN05B))
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"PAR1")
+    return tmp_path
+
+
+def spec(job_dir: Path, **extra) -> dict:
+    return {
+        "name": "gsm8k",
+        "model_path": str(job_dir / "model"),
+        "train_files": str(job_dir / "train.parquet"),
+        "val_files": str(job_dir / "test.parquet"),
+        "total_steps": 100,
+        **extra,
+    }
+
+
+# --- settings and the env file ------------------------------------------------
+
+
+def test_argument_specs_match_the_engines_fields():
+    options = yaml.safe_load(SPECS.read_text())["argument_specs"]["main"]["options"]
+    job_options = options["verl_jobs"]["options"]
+    # `secrets` is the role's own: it never reaches the env file.
+    assert set(job_options) - {"secrets"} == {f.name for f in jobs.FIELDS}
+    for field in jobs.FIELDS:
+        opt = job_options[field.name]
+        if field.default is jobs.REQUIRED:
+            assert opt.get("required") is True, field.name
+        else:
+            assert opt.get("default") == field.default, field.name
+        kind = {"str": "str", "path": "path", "int": "int", "list": "list", "bool": "bool"}
+        assert opt["type"] == kind[field.kind], field.name
+
+
+def test_env_round_trip(job_dir):
+    job = jobs.job_from_mapping(spec(job_dir, overrides=["trainer.test_freq=5", "a.b=[x,y]"]))
+    text = jobs.render_env(job)
+    assert 'VERL_JOB_OVERRIDES=\'["trainer.test_freq=5", "a.b=[x,y]"]\'' in text
+    assert "VERL_JOB_ENABLED" not in text  # systemd's business, not the job's
+    assert jobs.job_from_env(jobs.parse_env(text)) == job
+
+
+def test_env_file_is_what_a_shell_reads(job_dir, tmp_path):
+    job = jobs.job_from_mapping(spec(job_dir, overrides=["x.y=a b"]))
+    env_file = tmp_path / "job.env"
+    env_file.write_text(jobs.render_env(job))
+    out = subprocess.run(
+        ["bash", "-c", f'set -a; . "{env_file}"; printf %s "$VERL_JOB_OVERRIDES"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(out) == ["x.y=a b"]
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"name": "Bad Name"}, "name:"),
+        ({"name": "x" * 33}, "name:"),
+        ({"model_path": "models/m"}, "not an absolute path"),
+        ({"total_steps": 0}, "total_steps"),
+        ({"total_steps": "many"}, "not an integer"),
+        ({"save_freq": 0}, "save_freq"),
+        ({"overrides": ["trainer.logger=['console']"]}, 'holds "\'"'),
+        ({"overrides": ['a="b"']}, "double quote"),
+        ({"overrides": ["novalue"]}, "not a Hydra override"),
+        ({"overrides": "a=b"}, "list of strings"),
+        ({"profile": "kepler2"}, "profile:"),
+        ({"colour": "red"}, "unknown job settings: colour"),
+        ({"val_files": ""}, "val_files is required"),
+    ],
+)
+def test_bad_settings_are_named(job_dir, change, needle):
+    with pytest.raises(EngineError) as err:
+        jobs.job_from_mapping({**spec(job_dir), **change})
+    assert err.value.name == "job-config-invalid"
+    assert err.value.code == jobs.CONFIG_INVALID
+    assert needle in err.value.message
+
+
+def test_missing_required_setting(job_dir):
+    values = spec(job_dir)
+    del values["total_steps"]
+    with pytest.raises(EngineError, match="total_steps is required"):
+        jobs.job_from_mapping(values)
+
+
+def test_cli_env_renders_and_refuses(job_dir, tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(spec(job_dir, enabled=False)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-m", "oldgpu", "job", "env", "--json", str(good)],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout)["env"].startswith("# verl training job gsm8k")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(spec(job_dir, name="No")))
+    out = subprocess.run(
+        [sys.executable, "-m", "oldgpu", "job", "env", "--json", str(bad)],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode == jobs.CONFIG_INVALID
+    assert json.loads(out.stdout)["error"] == "job-config-invalid"
+
+
+# --- the composed command ---------------------------------------------------
+
+
+def compose_for(job_dir, arch, **extra):
+    job = jobs.job_from_mapping(spec(job_dir, **extra))
+    smi, lspci = GPUS[arch]
+    from oldgpu import detect
+
+    gpus = detect.detect((DETECT / smi).read_text(), (DETECT / lspci).read_text(), run_tools=False)[
+        "gpus"
+    ]
+    prof = jobs.resolve_profile(job, gpus)
+    memory = min(g["memory_mib"] for g in gpus)
+    return jobs.compose(job, prof, memory, QWEN05B, environ={}), prof
+
+
+def overrides_of(doc) -> dict[str, str]:
+    assert doc["argv"][:2] == ["-m", "verl.trainer.main_ppo"]
+    items = doc["argv"][2:]
+    keys = [jobs.override_key(o) for o in items]
+    assert len(keys) == len(set(keys)), "Hydra refuses a key given twice"
+    return {jobs.override_key(o): o.split("=", 1)[1] for o in items}
+
+
+def test_p40_command_is_the_profile_plus_the_plan_plus_the_job(job_dir):
+    doc, prof = compose_for(job_dir, "p40", prompt_length=256, response_length=256)
+    assert prof["name"].startswith("pascal")
+    o = overrides_of(doc)
+    # The profile: fp32 everywhere, no compile, HF rollout on one device.
+    for item in prof["hydra_overrides"]:
+        assert o[jobs.override_key(item)] == item.split("=", 1)[1]
+    assert o["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == "fp32"
+    assert o["actor_rollout_ref.rollout.name"] == "hf"
+    # The planner's choice for 24 GB at 256/256 (docs/planner.md).
+    assert o["data.train_batch_size"] == "256"
+    assert o["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "2"
+    assert o["actor_rollout_ref.actor.fsdp_config.optimizer_offload"] == "True"
+    assert o["actor_rollout_ref.model.enable_gradient_checkpointing"] == "True"
+    assert doc["plan"]["estimate"]["peak_mib"] <= 22528
+    # The job: data, model, schedule, resume, logging under its state dir.
+    assert o["trainer.resume_mode"] == "auto"
+    assert o["trainer.default_local_dir"] == "/var/lib/verl/jobs/gsm8k/checkpoints"
+    assert o["trainer.total_training_steps"] == "100"
+    assert o["critic.model.path"] == str(job_dir / "model")
+    assert o["trainer.logger"] == "['console','tensorboard']"
+    # HF rollout: the article's vLLM knobs would do nothing, so none is emitted.
+    assert not any("gpu_memory_utilization" in k for k in o)
+    env = doc["environment"]
+    assert env["TENSORBOARD_DIR"] == "/var/lib/verl/jobs/gsm8k/tensorboard"
+    assert env["HF_HUB_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == env["HYDRA_FULL_ERROR"] == "1"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["OLDGPU_COMPUTE_DTYPE"] == "fp32"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_v100_command(job_dir):
+    doc, prof = compose_for(job_dir, "v100")
+    assert prof["name"].startswith("volta")
+    o = overrides_of(doc)
+    assert o["trainer.n_gpus_per_node"] == "1"
+    assert o["actor_rollout_ref.rollout.name"] == "hf"
+    # More memory than a P40: a plan at least as large.
+    p40, _ = compose_for(job_dir, "p40")
+    assert int(o["data.train_batch_size"]) >= int(overrides_of(p40)["data.train_batch_size"])
+
+
+def test_cpu_command(job_dir):
+    job = jobs.job_from_mapping(
+        spec(job_dir, profile="cpu", train_batch_size=4, prompt_length=128, response_length=16)
+    )
+    prof = jobs.resolve_profile(job, [])
+    doc = jobs.compose(job, prof, 65536, QWEN05B, environ={"STATE_DIRECTORY": "/srv/state"})
+    o = overrides_of(doc)
+    assert o["trainer.device"] == "cpu"
+    assert o["data.train_batch_size"] == "4"
+    assert o["trainer.default_local_dir"] == "/srv/state/checkpoints"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in doc["environment"]
+
+
+def test_job_overrides_win_without_repeating_a_key(job_dir):
+    doc, _ = compose_for(
+        job_dir, "p40", overrides=["data.train_batch_size=8", "trainer.save_freq=3", "+x.y=1"]
+    )
+    o = overrides_of(doc)
+    assert o["data.train_batch_size"] == "8"
+    assert o["trainer.save_freq"] == "3"
+    assert doc["argv"][-1] == "+x.y=1"
+
+
+def test_merge_keeps_first_position_for_new_keys_only():
+    merged = jobs.merge_overrides(["a=1", "+b=2"], ["c=3"], ["b=4"])
+    assert merged == ["a=1", "c=3", "b=4"]
+
+
+def test_a_plan_that_cannot_fit_is_a_config_error(job_dir, monkeypatch):
+    job = jobs.job_from_mapping(spec(job_dir, prompt_length=4096, response_length=32768))
+    monkeypatch.setattr(
+        jobs.detect,
+        "detect_from_args",
+        lambda args: {"gpus": [dict(architecture="pascal", compute_capability="6.1",
+                                    memory_mib=24576, name="Tesla P40")]},
+    )  # fmt: skip
+    with pytest.raises(EngineError) as err:
+        jobs.compose_for_host(job, environ={})
+    assert err.value.code == jobs.CONFIG_INVALID
+
+
+def test_profiles_known_to_the_engine_are_accepted(job_dir):
+    for name in profile.PROFILES:
+        assert jobs.job_from_mapping(spec(job_dir, profile=name)).profile == name
+
+
+# --- the start script -----------------------------------------------------------
+
+FAKE_OLDGPU = """#!/bin/bash
+# The real engine, with recorded GPUs; a doctor whose verdict the test sets.
+if [[ $1 == doctor ]]; then echo "doctor $*" >>"$FAKE_LOG"; exit "${{FAKE_DOCTOR_RC:-0}}"; fi
+exec {python} -m oldgpu "$@" --nvidia-smi-file {smi} --lspci-file {lspci}
+"""
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}},
+          open(os.environ["FAKE_EXEC"], "w"))
+"""
+
+
+def start_script(tmp_path, job_dir, arch, doctor_rc=0, **extra):
+    smi, lspci = GPUS.get(arch, GPUS["p40"])
+    fake = tmp_path / "oldgpu"
+    fake.write_text(
+        FAKE_OLDGPU.format(python=sys.executable, smi=DETECT / smi, lspci=DETECT / lspci)
+    )
+    fake.chmod(0o755)
+    venv = tmp_path / "venv/bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(FAKE_PYTHON.format(python=sys.executable))
+    (venv / "python").chmod(0o755)
+    job = jobs.job_from_mapping(spec(job_dir, **extra))
+    env_file = tmp_path / f"{job.name}.env"
+    env_file.write_text(jobs.render_env(job))
+    state = tmp_path / "state"
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(ROOT / "src"),
+        "OLDGPU_BIN": str(fake),
+        "VERL_VENV": str(tmp_path / "venv"),
+        "VERL_DIR": "/opt/verl/verl",
+        "VERL_JOB_ENV_FILE": str(env_file),
+        "STATE_DIRECTORY": str(state),
+        "LOGS_DIRECTORY": str(tmp_path / "logs"),
+        "FAKE_EXEC": str(tmp_path / "exec.json"),
+        "FAKE_LOG": str(tmp_path / "fake.log"),
+        "FAKE_DOCTOR_RC": str(doctor_rc),
+    }
+    (tmp_path / "logs").mkdir()
+    proc = subprocess.run([str(START)], env=env, capture_output=True, text=True, check=False)
+    return proc, tmp_path
+
+
+@pytest.mark.parametrize("arch", ["p40", "v100", "cpu"])
+def test_start_script_execs_the_composed_command(tmp_path, job_dir, arch):
+    extra = {"profile": "cpu", "train_batch_size": 4} if arch == "cpu" else {}
+    if arch == "cpu":  # the smoke job's tiny model: fits any host's memory
+        tiny = {**QWEN05B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "intermediate_size": 128, "vocab_size": 2048}  # fmt: skip
+        (job_dir / "model/config.json").write_text(json.dumps(tiny))
+    proc, tmp = start_script(tmp_path, job_dir, arch, **extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads((tmp / "exec.json").read_text())
+    plan = json.loads((tmp / "state/plan.json").read_text())
+    # Exactly the engine's argv, the engine's environment exported before Python starts.
+    assert seen["argv"] == plan["argv"]
+    for key, value in plan["environment"].items():
+        assert seen["env"][key] == value, key
+    assert seen["env"]["PYTHONPATH"].split(":")[0] == "/opt/verl/verl"
+    assert seen["cwd"] == str(tmp / "state")
+    want = {"p40": "pascal", "v100": "volta", "cpu": "cpu"}[arch]
+    assert plan["profile"].startswith(want)
+    doctor = (tmp / "fake.log").read_text()
+    assert "--verl-dir /opt/verl/verl" in doctor
+    assert ("--arch cpu" in doctor) == (arch == "cpu")
+    # The journal's lines also land in the job's log file.
+    assert "starting as user" in (tmp / "logs/gsm8k.log").read_text()
+
+
+def test_start_script_stops_with_3_when_the_doctor_fails(tmp_path, job_dir):
+    proc, tmp = start_script(tmp_path, job_dir, "p40", doctor_rc=3)
+    assert proc.returncode == 3
+    assert not (tmp / "exec.json").exists()
+
+
+def test_start_script_stops_with_4_on_a_bad_job(tmp_path, job_dir):
+    proc, tmp = start_script(tmp_path, job_dir, "p40", response_length=65536)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert not (tmp / "exec.json").exists()
+
+
+def test_start_script_without_a_job_is_a_config_error(tmp_path):
+    proc = subprocess.run(
+        [str(START)], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 4
+    assert "VERL_JOB_NAME" in proc.stderr
