@@ -371,7 +371,9 @@ def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) ->
         "OLDGPU_ATTN_IMPLEMENTATION": prof["attn_implementation"],
         # Ray's session files in the unit's private /tmp: one per job, gone when it stops.
         "RAY_TMPDIR": "/tmp/ray",
+        # Every worker's line in the journal, without terminal colour codes.
         "RAY_DEDUP_LOGS": "0",
+        "RAY_COLOR_PREFIX": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
     if prof["device"] == "cuda":
