@@ -152,7 +152,7 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
                 if '"' in item:  # JSON would escape it with a backslash
                     raise _invalid(
                         f"{field.name}: {item!r} holds a double quote; Hydra takes unquoted values"
-                    )  # noqa: E501
+                    )
         else:
             value = str(value)
             _check_value(field, value)

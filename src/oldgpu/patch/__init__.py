@@ -152,9 +152,9 @@ class Patch:
 
 def _registry() -> list[Patch]:
     # Imported here: the version modules import this package's classes.
-    from oldgpu.patch import verl_0_5_0
+    from oldgpu.patch import verl_0_5_0, verl_0_5_0_cpu
 
-    return list(verl_0_5_0.PATCHES)
+    return [*verl_0_5_0.PATCHES, *verl_0_5_0_cpu.PATCHES]
 
 
 def supported_versions() -> list[str]:
@@ -207,7 +207,11 @@ def render_compat(options: Options) -> bytes:
                 edits.append(Edit(start, end, json.dumps(baked.pop(name))))
     if baked:
         raise RuntimeError(f"compat.py lacks {sorted(baked)}")
-    return apply_edits(data, edits)
+    rendered = apply_edits(data, edits)
+    if options.device == "cpu":  # the cpu patch set's helpers, for cpu trees only
+        cpu = (resources.files("oldgpu.patch") / "compat_cpu.py").read_bytes()
+        rendered = rendered.rstrip(b"\n") + b"\n\n\n" + cpu
+    return rendered
 
 
 # --- files and hashes ---
