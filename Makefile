@@ -12,10 +12,10 @@ export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
 SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 
-.PHONY: help host-packages bootstrap image lint unit molecule test demo demo-destroy lock clean
+.PHONY: help host-packages bootstrap image lint unit nix molecule test demo demo-destroy lock clean
 
 help:
-	@echo "make demo | make test | make lint | make unit | make molecule SCENARIOS=default"
+	@echo "make demo | make test | make lint | make unit | make nix | make molecule SCENARIOS=default"
 
 # What the controller itself needs from the distribution (Debian/Ubuntu).
 host-packages:
@@ -37,13 +37,18 @@ unit: bootstrap
 	@venv=$$(scripts/engine-venv.sh) && cd $(CURDIR) && \
 	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
 
+# The flake, offline: every .nix file parsed, the outputs evaluated (and the
+# module's env file and unit built) against the stub nixpkgs in tests/nix.
+nix: bootstrap
+	@scripts/nix-checks.sh
+
 # Scenarios mount the shared wheelhouse and the local verl mirror.
 molecule: image
 	@scripts/wheelhouse.sh
 	@scripts/verl-mirror.sh >/dev/null
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
-test: lint unit molecule
+test: lint unit nix molecule
 	@echo "make test: all checks passed"
 
 demo: image

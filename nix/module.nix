@@ -1,0 +1,455 @@
+# nixosModules.default: a NixOS host that trains with verl on an old NVIDIA GPU,
+# as the Ansible roles provision one: the driver branch and module flavour the
+# engine accepts for the GPU, the verl user and directories, the venv of the
+# roles' lock, verl patched by the engine, and the same template unit
+# (files/systemd/verl-train@.service, byte for byte) with one env file per job,
+# rendered as `oldgpu job env` renders it and checked by the engine when built.
+{
+  oldgpu,
+  packagesFor,
+  cudaPkgsFor,
+}:
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+let
+  inherit (lib)
+    mkDefault
+    mkIf
+    mkMerge
+    mkOption
+    types
+    ;
+  cfg = config.services.verl-train;
+  system = pkgs.stdenv.hostPlatform.system;
+  flakePackages = packagesFor system;
+  profile = oldgpu.profiles.${cfg.gpu.architecture};
+  nvidia = config.hardware.nvidia;
+  branchOf = p: builtins.fromJSON (builtins.head (builtins.match "([0-9]+).*" p.version));
+  driverProblem = oldgpu.driverProblem cfg.gpu.architecture (branchOf nvidia.package) nvidia.open;
+
+  codeDir = "/opt/verl";
+  venvDir = "${codeDir}/venv";
+  venvsDir = "${codeDir}/venvs";
+  jobsDir = "/etc/verl/jobs";
+
+  fieldType =
+    f:
+    {
+      str = types.str;
+      path = types.str;
+      int = types.int;
+      bool = types.bool;
+      list = types.listOf types.str;
+    }
+    .${f.type};
+
+  jobModule =
+    { name, ... }:
+    {
+      options =
+        builtins.listToAttrs (
+          map (f: {
+            inherit (f) name;
+            value = mkOption (
+              {
+                type = fieldType f;
+                description = f.help;
+              }
+              // (
+                if f.name == "name" then
+                  { default = name; }
+                else if f.required then
+                  { }
+                else
+                  { inherit (f) default; }
+              )
+            );
+          }) oldgpu.jobFields
+        )
+        // {
+          secretsFile = mkOption {
+            type = types.nullOr types.str;
+            default = null;
+            example = "/run/secrets/verl-job.env";
+            description = ''
+              A file of KEY='value' lines outside the Nix store (sops-nix,
+              agenix), linked as ${jobsDir}/<name>.secrets.env: systemd reads it as
+              root before the job drops to the verl user.
+            '';
+          };
+        };
+    };
+
+  # A job's settings as the engine reads them (the fields only).
+  jobValues = job: builtins.listToAttrs (map (f: {
+    inherit (f) name;
+    value = job.${f.name};
+  }) oldgpu.jobFields);
+
+  # The env file: the text Nix renders, built by the engine from the same
+  # settings and compared (a job the engine refuses fails the build with its
+  # reason; a renderer that drifted from the engine's fails it too).
+  envFile =
+    name: job:
+    pkgs.runCommand "verl-job-${name}.env" {
+      nativeBuildInputs = [ cfg.package ];
+      text = oldgpu.renderEnv (jobValues job);
+      json = oldgpu.jobJson (jobValues job);
+      passAsFile = [
+        "text"
+        "json"
+      ];
+      passthru.text = oldgpu.renderEnv (jobValues job);
+    } ''
+      oldgpu job env "$jsonPath" > $out
+      if ! cmp -s "$textPath" $out; then
+        echo "verl job ${name}: the module's env file differs from the engine's:" >&2
+        diff -u $out "$textPath" >&2 || true
+        exit 1
+      fi
+    '';
+
+  lockFile = builtins.path {
+    path = oldgpu.lockFile cfg.python.lock;
+    name = "verl-${cfg.python.lock}.lock";
+  };
+  venvKey = builtins.substring 0 16 (
+    builtins.hashString "sha256" (
+      builtins.readFile lockFile
+      + builtins.concatStringsSep " " cfg.python.extraPackages
+      + builtins.unsafeDiscardStringContext "${cfg.python.package}"
+    )
+  );
+  pipSources =
+    if cfg.python.wheelhouse != "" then
+      [
+        "--no-index"
+        "--find-links"
+        cfg.python.wheelhouse
+      ]
+    else
+      lib.optionals (cfg.python.indexUrl != "") [
+        "--index-url"
+        cfg.python.indexUrl
+      ]
+      ++ lib.optionals (cfg.python.torchIndexUrl != "") [
+        "--extra-index-url"
+        cfg.python.torchIndexUrl
+      ];
+  quote = s: "'" + builtins.replaceStrings [ "'" ] [ "'\\''" ] s + "'";
+  args = l: builtins.concatStringsSep " " (map quote l);
+
+  # The python_env role's steps: a venv per lock, checked before and after
+  # pip, linked in only when it holds exactly the lock.
+  venvScript = ''
+    set -euo pipefail
+    target=${venvsDir}/${venvKey}
+    check() { oldgpu lock-check ${lockFile} --python "$target/bin/python" --ignore verl; }
+    if [ -x "$target/bin/python" ] && check >/dev/null 2>&1; then
+      echo "verl-venv: $target holds ${cfg.python.lock}.lock"
+    else
+      trap 'rm -rf "$target"; echo "verl-venv: failed; ${venvDir} still points at the previous venv" >&2' ERR
+      rm -rf "$target"
+      ${cfg.python.package}/bin/python3 -m venv "$target"
+      "$target/bin/python" -m pip install --no-deps --no-cache-dir --disable-pip-version-check \
+        --progress-bar off -r ${lockFile} ${args (pipSources ++ cfg.python.extraPackages)}
+      check
+      "$target/bin/python" -m pip check
+      trap - ERR
+    fi
+    ln -sfn "$target" ${venvDir}.new
+    mv -T ${venvDir}.new ${venvDir}
+    # Keep ${toString cfg.python.keepPrevious} older venv(s) for rollback.
+    find ${venvsDir} -mindepth 1 -maxdepth 1 -type d ! -name ${venvKey} -printf '%T@ %p\n' |
+      sort -rn | tail -n +${toString (cfg.python.keepPrevious + 1)} | cut -d' ' -f2- |
+      xargs -r rm -rf
+  '';
+
+  driverLibraries = "/run/opengl-driver/lib:${flakePackages.runtime-libs}/lib";
+in
+{
+  options.services.verl-train = {
+    enable = lib.mkEnableOption "verl training jobs on old NVIDIA GPUs (verl-train@<name>.service)";
+
+    gpu.architecture = mkOption {
+      type = types.enum (builtins.attrNames oldgpu.profiles);
+      default = "pascal";
+      description = ''
+        The architecture of the host's oldest GPU (`oldgpu detect` names it);
+        cpu for a host without one. It picks the driver branch and module
+        flavour (the engine's profile table) and the patch set of verl.
+      '';
+    };
+
+    nvidia = {
+      enable = mkOption {
+        type = types.bool;
+        default = profile.device == "cuda";
+        defaultText = lib.literalExpression ''gpu.architecture != "cpu"'';
+        description = "Configure hardware.nvidia for the GPU (the proprietary or open modules the engine accepts).";
+      };
+      branch = mkOption {
+        type = types.nullOr (types.enum oldgpu.driverBranches);
+        default = null;
+        description = ''
+          Driver branch (470, 535 or 580); null: the engine's default for the
+          architecture. The package is nvidiaPackages.legacy_<branch> where
+          nixpkgs has it, else its current driver of that branch.
+        '';
+      };
+      acceptLicense = mkOption {
+        type = types.bool;
+        default = true;
+        description = "Set nixpkgs.config.nvidia.acceptLicense (needed for the legacy and data-centre drivers).";
+      };
+      allowUnfree = mkOption {
+        type = types.bool;
+        default = true;
+        description = ''
+          Set nixpkgs.config.allowUnfreePredicate to allow NVIDIA's driver and
+          CUDA packages only. Turn off if you set your own predicate (one
+          replaces the other) and allow those there.
+        '';
+      };
+    };
+
+    cuda = {
+      enable = mkOption {
+        type = types.bool;
+        default = profile.device == "cuda";
+        defaultText = lib.literalExpression ''gpu.architecture != "cpu"'';
+        description = "Install the CUDA toolkit of the pinned version, as the cuda role does.";
+      };
+      package = mkOption {
+        type = types.package;
+        default = (cudaPkgsFor system).${oldgpu.cudaPackagesAttr}.cudatoolkit;
+        defaultText = lib.literalExpression "cudaPackages_11_8.cudatoolkit of the flake's CUDA package set";
+        description = "The CUDA toolkit.";
+      };
+    };
+
+    package = mkOption {
+      type = types.package;
+      default = flakePackages.oldgpu;
+      defaultText = lib.literalExpression "oldgpu.packages.\${system}.oldgpu";
+      description = "The engine (the oldgpu command).";
+    };
+    startScript = mkOption {
+      type = types.package;
+      default = flakePackages.verl-train;
+      defaultText = lib.literalExpression "oldgpu.packages.\${system}.verl-train";
+      description = "The start script, linked as ${codeDir}/bin/verl-train (the unit's ExecStart).";
+    };
+    verlPackage = mkOption {
+      type = types.package;
+      default = flakePackages.verlPatchedFor cfg.gpu.architecture;
+      defaultText = lib.literalExpression "verl at the pinned commit, patched by the engine for gpu.architecture";
+      description = "The patched verl tree the jobs import (VERL_DIR; linked as ${codeDir}/verl).";
+    };
+
+    python = {
+      package = mkOption {
+        type = types.package;
+        default = flakePackages.python;
+        defaultText = lib.literalExpression "the Python the pins name";
+        description = "The interpreter of the training venv.";
+      };
+      lock = mkOption {
+        type = types.enum [
+          "cu118"
+          "pypi"
+        ];
+        default = if profile.device == "cuda" then "cu118" else "pypi";
+        defaultText = lib.literalExpression ''if gpu.architecture == "cpu" then "pypi" else "cu118"'';
+        description = "Which lock of files/requirements the venv holds (python_env_variant).";
+      };
+      torchIndexUrl = mkOption {
+        type = types.str;
+        default = "";
+        description = ''
+          Where torch comes from (python_env_torch_index_url): PyTorch's cu118
+          wheel index or a mirror of it. The cu118 lock needs it or wheelhouse.
+        '';
+      };
+      indexUrl = mkOption {
+        type = types.str;
+        default = "";
+        description = "The pip index for everything else; empty: pip's configuration.";
+      };
+      wheelhouse = mkOption {
+        type = types.str;
+        default = "";
+        description = "A directory of wheels to install from alone (air-gapped hosts).";
+      };
+      extraPackages = mkOption {
+        type = types.listOf types.str;
+        default = [ ];
+        description = "Extra packages (name==version) for the venv.";
+      };
+      keepPrevious = mkOption {
+        type = types.int;
+        default = 1;
+        description = "How many older venvs to keep for rollback.";
+      };
+    };
+
+    jobs = mkOption {
+      type = types.attrsOf (types.submodule jobModule);
+      default = { };
+      description = ''
+        Training jobs, one verl-train@<name>.service each; the settings are the
+        engine's (`oldgpu job fields`), the same keys as the verl_jobs role's.
+      '';
+    };
+  };
+
+  config = mkIf cfg.enable (mkMerge [
+    {
+      assertions = [
+        {
+          assertion = cfg.python.lock != "cu118" || cfg.python.torchIndexUrl != "" || cfg.python.wheelhouse != "";
+          message = "services.verl-train.python.torchIndexUrl is empty: torch ${oldgpu.versions.torch}+cu118 is only on PyTorch's cu118 wheel index; set it to that index (or a mirror), or python.wheelhouse to a directory holding its wheels";
+        }
+      ]
+      ++ lib.concatMap (
+        name:
+        let
+          job = cfg.jobs.${name};
+        in
+        map (message: {
+          assertion = false;
+          inherit message;
+        }) (oldgpu.jobProblems name (jobValues job))
+        ++ [
+          {
+            assertion = job.name == name;
+            message = "services.verl-train.jobs.${name}.name is ${job.name}: a job's name is its attribute name";
+          }
+          {
+            assertion = job.secretsFile == null || builtins.substring 0 11 job.secretsFile != "/nix/store/";
+            message = "services.verl-train.jobs.${name}.secretsFile is in the Nix store, which every user can read";
+          }
+        ]
+      ) (builtins.attrNames cfg.jobs);
+
+      users.users.verl = {
+        isSystemUser = true;
+        group = "verl";
+        home = "/var/lib/verl";
+        createHome = false;
+        description = "verl training jobs";
+      };
+      users.groups.verl = { };
+
+      environment.systemPackages = [ cfg.package ] ++ lib.optional cfg.cuda.enable cfg.cuda.package;
+
+      # The same directories as the base role, and the fixed paths the unit names.
+      systemd.tmpfiles.rules = [
+        "d ${codeDir} 0755 root root -"
+        "d ${codeDir}/bin 0755 root root -"
+        "L+ ${codeDir}/bin/verl-train - - - - ${cfg.startScript}/bin/verl-train"
+        "d ${codeDir}/engine 0755 root root -"
+        "L+ ${codeDir}/engine/current - - - - ${cfg.package}/${cfg.python.package.sitePackages}"
+        "L+ ${codeDir}/verl - - - - ${cfg.verlPackage}"
+        "d ${venvsDir} 0755 root root -"
+        "d /var/lib/verl 0750 verl verl -"
+        "d /var/log/verl 0750 verl verl -"
+        "d /etc/verl 0755 root root -"
+        "d ${jobsDir} 0750 root verl -"
+      ];
+
+      # The template unit itself, unchanged; NixOS's additions go in drop-ins.
+      systemd.packages = [ flakePackages.unit ];
+      systemd.services = {
+        "verl-train@" = {
+          overrideStrategy = "asDropin";
+          wants = [ "verl-venv.service" ];
+          after = [ "verl-venv.service" ];
+          path = [ pkgs.pciutils ] ++ lib.optional cfg.nvidia.enable (lib.getBin nvidia.package);
+          environment = {
+            OLDGPU_BIN = "${cfg.package}/bin/oldgpu";
+            OLDGPU_VENV_PYTHON = "${venvDir}/bin/python";
+            VERL_VENV = venvDir;
+            VERL_DIR = "${cfg.verlPackage}";
+            LD_LIBRARY_PATH = driverLibraries;
+          };
+        };
+        verl-venv = {
+          description = "The verl training venv from ${cfg.python.lock}.lock";
+          wantedBy = [ "multi-user.target" ];
+          wants = [ "network-online.target" ];
+          after = [ "network-online.target" ];
+          path = [
+            cfg.package
+            pkgs.coreutils
+            pkgs.findutils
+          ];
+          environment.LD_LIBRARY_PATH = driverLibraries;
+          serviceConfig = {
+            Type = "oneshot";
+            RemainAfterExit = true;
+          };
+          script = venvScript;
+        };
+      }
+      // lib.mapAttrs' (
+        name: job:
+        lib.nameValuePair "verl-train@${name}" (
+          {
+            overrideStrategy = "asDropin";
+            # A new env file restarts a running job on switch (the role's try-restart).
+            restartTriggers = [ (envFile name job) ];
+          }
+          // lib.optionalAttrs job.enabled { wantedBy = [ "multi-user.target" ]; }
+        )
+      ) cfg.jobs;
+
+      environment.etc =
+        lib.mapAttrs' (
+          name: job:
+          lib.nameValuePair "verl/jobs/${name}.env" {
+            source = envFile name job;
+            mode = "0640";
+            user = "root";
+            group = "verl";
+          }
+        ) cfg.jobs
+        // lib.mapAttrs' (
+          name: job: lib.nameValuePair "verl/jobs/${name}.secrets.env" { source = job.secretsFile; }
+        ) (lib.filterAttrs (_: job: job.secretsFile != null) cfg.jobs);
+    }
+
+    (mkIf cfg.nvidia.enable {
+      assertions = [
+        {
+          assertion = driverProblem == null;
+          message = "services.verl-train: ${toString driverProblem} (hardware.nvidia.package ${nvidia.package.version}, hardware.nvidia.open = ${lib.boolToString nvidia.open})";
+        }
+      ];
+      services.xserver.videoDrivers = [ "nvidia" ];
+      hardware.graphics.enable = mkDefault true;
+      hardware.nvidia = {
+        package = mkDefault (
+          oldgpu.nvidiaPackageFor config.boot.kernelPackages.nvidiaPackages (
+            if cfg.nvidia.branch == null then profile.driver.default else cfg.nvidia.branch
+          )
+        );
+        # Open kernel modules need Turing or newer: the engine's flavour.
+        open = mkDefault (profile.driver.flavour == "open");
+        # The unit starts after nvidia-persistenced.service.
+        nvidiaPersistenced = mkDefault true;
+        nvidiaSettings = mkDefault false;
+      };
+      nixpkgs.config = mkMerge [
+        (mkIf cfg.nvidia.acceptLicense { nvidia.acceptLicense = true; })
+        (mkIf cfg.nvidia.allowUnfree {
+          allowUnfreePredicate = oldgpu.allowNvidiaUnfree;
+        })
+      ];
+    })
+  ]);
+}
