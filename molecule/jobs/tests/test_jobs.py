@@ -130,16 +130,19 @@ def test_tensorboard_events_and_log_file(host, first_run):
 
 def test_status_reports_the_job(host, first_run):
     doc = json.loads(host.check_output("oldgpu status --json smoke"))
-    job = doc["jobs"][0] if "jobs" in doc else doc[0]
-    assert job["name"] == "smoke"
-    assert job["last_step"] == FIRST_STEPS and job["total_steps"] == FIRST_STEPS
+    (job,) = doc["jobs"]
+    assert job["name"] == "smoke" and job["total_steps"] == FIRST_STEPS
+    assert job["metrics"]["last_step"] == FIRST_STEPS
+    assert job["checkpoint"]["step"] == FIRST_STEPS
+    assert job["unit"]["state"] == "inactive"
+    assert job["metrics"]["reward"] is not None and job["metrics"]["kl"] is not None
 
 
 def test_plot_writes_a_png(host, first_run):
-    out = host.check_output("runuser -u verl -- oldgpu plot smoke --out /var/lib/verl/jobs/smoke/plot.png")
-    png = host.file("/var/lib/verl/jobs/smoke/plot.png")
+    out = host.check_output(f"runuser -u verl -- oldgpu plot smoke --out {STATE}/plot.png")
+    png = host.file(f"{STATE}/plot.png")
     assert png.exists and png.size > 10_000, out
-    head = host.check_output("head -c 8 /var/lib/verl/jobs/smoke/plot.png | od -An -tx1")
+    head = host.check_output(f"head -c 8 {STATE}/plot.png | od -An -tx1")
     assert head.split() == ["89", "50", "4e", "47", "0d", "0a", "1a", "0a"]
 
 
@@ -155,8 +158,13 @@ def test_second_start_resumes_from_the_checkpoint(host, second_run):
 
 
 def test_bad_job_is_refused_before_anything_changes(host):
-    bad = {"name": "Bad Name", "model_path": "m", "train_files": "/x", "val_files": "/y",
-           "total_steps": 1}
+    bad = {
+        "name": "Bad Name",
+        "model_path": "m",
+        "train_files": "/x",
+        "val_files": "/y",
+        "total_steps": 1,
+    }
     run = playbook("-e", json.dumps({"verl_jobs": [bad]}), "--tags", "verl_jobs")
     assert run.rc != 0
     assert "job-config-invalid" in run.output
