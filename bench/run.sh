@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One device call of the benchmark: set up (idempotent), then run settings in turn.
+#
+#   bench/run.sh [--tiny|--cpu] [--no-guard] [SETTING STEPS]...
+#   bench/run.sh a 5 b 4        # the article's setting, 5 steps; the planner's, 4
+#   bench/run.sh c 4 learn 25   # eager; the learning check
+#   bench/run.sh setup          # only the setup and its records
+#   bench/run.sh --tiny a 2 b 2 c 2 learn 3   # all of it on CPU, tiny (a host without GPU)
+#   bench/run.sh --cpu learn 25               # the learning check's own model, on CPU
+#
+# Settings: a (the seed article's), b (oldgpu plan's for a P40), c (b with eager),
+# learn (a small model must learn bench/reward_digits.py). Steps >= 2 are the timed ones.
+# The whole call keeps within BENCH_BUDGET_S (default 540 s, the device tool allows 600):
+# a run still going at the deadline is stopped and keeps the steps it finished. The runs
+# stay on the machine in .device/bench/runs (a later call on the same warm machine adds
+# to them); $OUT gets summary.md (every run there so far), bench.json, setup.txt and
+# logs.tar.xz.
+set -uo pipefail
+t_start=$(date +%s)
+root=$(cd "$(dirname "$0")/.." && pwd)
+export BENCH_HOME=${BENCH_HOME:-$root/.device/bench}
+OUT=${OUT:-$BENCH_HOME/out}
+export OUT
+BUDGET=${BENCH_BUDGET_S:-540}
+export PYTHONUNBUFFERED=1
+tiny=0
+cpu=0
+guard_flag=()
+pairs=()
+while (($#)); do
+  case $1 in
+    --tiny) tiny=1 cpu=1 ;;
+    --cpu) cpu=1 ;;
+    --no-guard) guard_flag=(--no-guard) ;;
+    setup) ;;
+    *) [[ $# -ge 2 ]] || { echo "usage: $0 [--tiny] [SETTING STEPS]..." >&2; exit 2; }
+       pairs+=("$1" "$2"); shift ;;
+  esac
+  shift
+done
+runs=$BENCH_HOME/runs
+[[ $cpu == 1 ]] && runs=$BENCH_HOME/runs-cpu
+mkdir -p "$runs" "$OUT"
+
+# A run left over from an earlier call that was cut off: end it (by the pids of its
+# session, which the bench recorded) before it holds the GPU against this one.
+for f in "$runs"/*/session.pid; do
+  [[ -f $f ]] || continue
+  sid=$(cat "$f")
+  for pid in $(ps -eo pid=,sid= | awk -v s="$sid" '$2 == s {print $1}'); do
+    echo "[run] ending pid $pid, left from an earlier call's run" >&2
+    kill -9 "$pid" 2>/dev/null
+  done
+  rm -f "$f"
+done
+
+BENCH_CPU=$cpu OUT=$BENCH_HOME/setup-out "$root/bench/setup.sh" || exit $?
+# shellcheck source=/dev/null
+source "$BENCH_HOME/env/env.sh"
+py=${BENCH_PYTHON:-python3}
+scale_flag=()
+[[ $cpu == 1 ]] && scale_flag=(--cpu)
+[[ $tiny == 1 ]] && scale_flag=(--tiny)
+
+i=0
+while ((i < ${#pairs[@]})); do
+  setting=${pairs[i]} steps=${pairs[i + 1]}
+  i=$((i + 2))
+  now=$(date +%s)
+  deadline=$((t_start + BUDGET - 25))   # leave time for the export
+  if ((deadline - now < 90)); then
+    echo "[run] skipping $setting: $((deadline - now)) s left in this call" >&2
+    continue
+  fi
+  echo "[run] $setting: $steps steps, $((deadline - now)) s left" >&2
+  "$py" "$root/bench/ppo_bench.py" run "$setting" --steps "$steps" --out "$runs/$setting" \
+    --deadline "$deadline" "${scale_flag[@]}" "${guard_flag[@]}"
+  echo "[run] $setting: rc $?" >&2
+done
+"$py" "$root/bench/ppo_bench.py" export "$runs" "$OUT" --setup "$BENCH_HOME/setup-out/setup"
+cat "$OUT/summary.md"
+echo "[run] done in $(( $(date +%s) - t_start )) s" >&2
