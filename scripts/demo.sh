@@ -41,12 +41,12 @@ podman exec "$name" systemctl start verl-train@smoke.service
 echo "== verl-train@smoke started; waiting for its first step =="
 for _ in $(seq 120); do
   podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager 2>/dev/null |
-    grep -q '^step:' && break
+    grep -qE '(^|\) )step:[0-9]+ ' && break
   state=$(podman exec "$name" systemctl is-active verl-train@smoke.service || true)
   [[ $state == failed ]] && break
   sleep 5
 done
-podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager | grep '^step:' | tail -n 2 | cut -c1-300 || true
+podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager | grep -E '(^|\) )step:[0-9]+ ' | tail -n 2 | cut -c1-300 || true
 echo
 podman exec "$name" oldgpu status
 echo "(journal: podman exec $name journalctl -fu verl-train@smoke; make demo-destroy removes it)"

@@ -191,6 +191,7 @@ def test_p40_command_is_the_profile_plus_the_plan_plus_the_job(job_dir):
     assert o["trainer.resume_mode"] == "auto"
     assert o["trainer.default_local_dir"] == "/var/lib/verl/jobs/gsm8k/checkpoints"
     assert o["trainer.total_training_steps"] == "100"
+    assert o["trainer.total_epochs"] == "100"  # the data's epochs must not end it first
     assert o["critic.model.path"] == str(job_dir / "model")
     assert o["trainer.logger"] == "['console','tensorboard']"
     # HF rollout: the article's vLLM knobs would do nothing, so none is emitted.

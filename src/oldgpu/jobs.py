@@ -310,6 +310,9 @@ def job_overrides(job: Job, paths: Mapping[str, Path]) -> list[str]:
         # The tokenizer is the actor's (verl reads it from critic.model.tokenizer_path).
         f"critic.model.tokenizer_path={job.model_path}",
         f"trainer.total_training_steps={job.total_steps}",
+        # verl stops at the end of total_epochs even short of the steps; every
+        # epoch has a step, so this many never ends a job early.
+        f"trainer.total_epochs={job.total_steps}",
         f"trainer.save_freq={job.save_freq}",
         f"trainer.test_freq={job.test_freq}",
         "trainer.nnodes=1",
