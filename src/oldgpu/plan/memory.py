@@ -232,15 +232,15 @@ def param_offload_frees(inp: Inputs) -> bool:
     return inp.device == "cuda" and (inp.gpus > 1 or PARAM_OFFLOAD_FREES_ON_ONE_GPU)
 
 
-def lora_unit_params(inp: Inputs) -> int:
-    """With LoRA the actor is wrapped per decoder layer (each adapter a unit of its own,
-    see recipes.py), so FULL_SHARD gathers the root unit (embeddings, final norm, an
-    untied lm_head) and one layer at a time, the next one prefetched in the backward:
-    the same ``root + 2 layers`` the per-layer critic gathers."""
-    s = inp.shape
-    root = s.embedding_params() * (1 if s.tie_word_embeddings else 2) + s.hidden_size
-    per_layer = inp.adapter_params // max(1, s.num_hidden_layers)
-    return root + 2 * (s.layer_params() + per_layer)
+def unit_params(s: ModelShape, per_layer_extra: int = 0, lm_head: bool = True) -> int:
+    """What FULL_SHARD holds unsharded at once in a model wrapped per decoder layer: the
+    root unit (the embeddings, an untied lm_head; FSDP1 keeps the root gathered through
+    the whole pass) and two layers (the one computing and the one prefetched). verl
+    wraps so the critic, the ref (its own worker, role "ref", keeps the wrap policy the
+    HF rollout drops for the actor) and, with LoRA, the actor (recipes.py)."""
+    untied = lm_head and not s.tie_word_embeddings
+    root = s.embedding_params() * (2 if untied else 1)
+    return root + 2 * (s.layer_params() + per_layer_extra)
 
 
 def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
@@ -278,18 +278,22 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
             res["critic_weights"] = _mib(pc * p.master / n)
         if phase == "critic_update" or not (off.critic_optimizer and cuda):
             res["critic_adam"] = _mib(pc * p.adam / n)
-    if inp.ref and not lora and (phase == "ref_log_prob" or n == 1 or not cuda):
-        # FSDP CPUOffload: the whole ref (one unit with the HF rollout) comes to the GPU
-        # for its forward; on one GPU it never leaves (NO_SHARD views).
+    if inp.ref and not lora and (n == 1 or not cuda):
+        # On one GPU the CPUOffload-wrapped ref never leaves (NO_SHARD views).
         res["ref_weights"] = _mib(pa * p.ref)
+    elif inp.ref and not lora and phase == "ref_log_prob":
+        # Several GPUs: FSDP CPUOffload keeps the ref's shards on the host and gathers
+        # one unit at a time on the GPU for its forward (the ref is wrapped per layer).
+        res["ref_unsharded_units"] = _mib(unit_params(s) * p.ref)
     if actor_phase and (n > 1 or mixed):
         unshard = p.master if phase == "generate" else p.compute  # summon_full_params
-        if lora:
-            res["actor_unsharded_units"] = _mib(lora_unit_params(inp) * unshard)
-        else:
+        if lora:  # wrapped per layer: a unit at a time
+            per_layer = inp.adapter_params // s.num_hidden_layers
+            res["actor_unsharded_units"] = _mib(unit_params(s, per_layer) * unshard)
+        else:  # the HF rollout's actor is ONE unit: all of it
             res["actor_unsharded_weights"] = _mib(pa * unshard)
     if critic_phase and (n > 1 or mixed):
-        res["critic_unsharded_units"] = _mib((embed + 2 * s.layer_params()) * cb)
+        res["critic_unsharded_units"] = _mib(unit_params(s, lm_head=False) * cb)
     if phase == "actor_update":
         res["actor_grads"] = _mib(pt * p.grad / n)
     if phase == "critic_update":
