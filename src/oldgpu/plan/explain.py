@@ -187,10 +187,9 @@ def _reasons(found: Plan) -> dict[str, str]:
         )
     elif inp.ref:
         rlp = ph["ref_log_prob"]
-        ref_mib = rlp.resident.get("ref_weights", rlp.resident.get("ref_unsharded_units", 0.0))
         r["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = (
             f"as the rollout's: ref_log_prob {rlp.peak:.0f} MiB (logits "
-            f"{item(rlp, 'logits', 'logits'):.0f}, ref weights {ref_mib:.0f})"
+            f"{item(rlp, 'logits', 'logits'):.0f}, ref weights {rlp.resident['ref_weights']:.0f})"
         )
     gc_off = estimate_phase(inp, replace(c, gradient_checkpointing=False), "actor_update")
     r["actor_rollout_ref.model.enable_gradient_checkpointing"] = (

@@ -284,7 +284,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     elif inp.ref and not lora and phase == "ref_log_prob":
         # Several GPUs: FSDP CPUOffload keeps the ref's shards on the host and gathers
         # one unit at a time on the GPU for its forward (the ref is wrapped per layer).
-        res["ref_unsharded_units"] = _mib(unit_params(s) * p.ref)
+        res["ref_weights"] = _mib(unit_params(s) * p.ref)
     if actor_phase and (n > 1 or mixed):
         unshard = p.master if phase == "generate" else p.compute  # summon_full_params
         if lora:  # wrapped per layer: a unit at a time
