@@ -469,10 +469,17 @@ def largest_payload(result: Largest) -> dict[str, Any]:
 
 
 def largest_text(doc: Mapping[str, Any]) -> str:
+    best = next((r for r in doc["shapes"] if r["model"] == doc["largest"]), None)
+    answer = "none"
+    if best:
+        answer = (
+            f"{best['model']} (batch {best['train_batch_size']}, {best['sequences_per_step']} "
+            f"sequences, peak {best['peak_mib']} MiB in {best['peak_phase']})"
+        )
     lines = [
         f"largest {doc['family']} for {doc['recipe']} on {doc['gpus']} x {doc['memory_mib']} "
         f"MiB ({doc['profile']}), prompt {doc['prompt_length']} + response "
-        f"{doc['response_length']}, cap {doc['cap_mib']} MiB: {doc['largest'] or 'none'}"
+        f"{doc['response_length']}, cap {doc['cap_mib']} MiB: {answer}"
     ]
     for row in doc["shapes"]:
         head = f"  {row['model']:<14} {row['params'] / 1e9:5.2f}B  "

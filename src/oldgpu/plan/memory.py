@@ -18,8 +18,16 @@ each phase counts
   several GPUs the shards do leave (not measured yet).
 * unsharded copies: with the HF rollout verl wraps the actor as ONE FSDP
   unit, so on several GPUs (or with a bf16 compute copy) the whole model is
-  unsharded for generate, log-prob and update; the critic is wrapped per layer
-  (root unit: the embeddings).
+  unsharded for generate, log-prob and update; the critic and the ref are
+  wrapped per layer (root unit: the embeddings), so FULL_SHARD gathers a unit
+  at a time (``unit_params``).
+* the recipe (recipes.py has the why): a critic-free estimator drops the
+  critic; ``rollout.n`` multiplies the sequences per GPU (``per_gpu_batch``);
+  LoRA keeps the frozen base weights and the base model's activations, trains
+  the adapters only (gradients, Adam, its step temporary, the flat gradient
+  copies: ``Inputs.trained_params``), freezes the embedding (no embedding
+  gradient), wraps the actor per layer, and runs the ref log-prob on the actor
+  with its adapters disabled (no ref weights, no ref reload).
 * transient tensors, as "moments" of a phase that do not coexist (the phase
   needs the largest):
   - generate (HF ``generate`` over the whole per-GPU rollout batch at once):
