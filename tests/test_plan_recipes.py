@@ -223,7 +223,8 @@ def test_lora_on_several_gpus_gathers_a_unit_at_a_time():
     two = lora(gpus=2)
     upd = plan.estimate_phase(two, CHOICE, "actor_update")
     assert "actor_unsharded_weights" not in upd.resident
-    per_layer = two.adapter_params // QWEN05.num_hidden_layers
+    per_layer = 8 * (1792 + 2 * 1024 + 1792 + 3 * (896 + 4864))  # q, k, v, o, the MLP's
+    assert per_layer * QWEN05.num_hidden_layers == two.adapter_params
     unit = QWEN05.embedding_params() + 2 * (QWEN05.layer_params() + per_layer)
     assert upd.resident["actor_unsharded_units"] == pytest.approx(unit * 4 / MIB)
     assert upd.resident["actor_weights"] == pytest.approx(two.actor_params * 4 / 2 / MIB)

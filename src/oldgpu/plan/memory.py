@@ -296,7 +296,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     if actor_phase and (n > 1 or mixed):
         unshard = p.master if phase == "generate" else p.compute  # summon_full_params
         if lora:  # wrapped per layer: a unit at a time
-            per_layer = inp.adapter_params // s.num_hidden_layers
+            per_layer = recipes.adapter_layer_params(s, inp.lora_rank, inp.lora_target_modules)
             res["actor_unsharded_units"] = _mib(unit_params(s, per_layer) * unshard)
         else:  # the HF rollout's actor is ONE unit: all of it
             res["actor_unsharded_weights"] = _mib(pa * unshard)
