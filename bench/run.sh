@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# One device call of the benchmark: set up (idempotent), then run settings in turn.
+# One device call of the benchmark: set up (idempotent), then run settings in turn, each
+# through files/bin/verl-train (bench/ppo_bench.py: a job env file, then the start script).
 #
-#   bench/run.sh [--tiny|--cpu] [--no-guard] [SETTING STEPS]...
-#   bench/run.sh a 5 b 4        # the article's setting, 5 steps; the planner's, 4
-#   bench/run.sh c 4 learn 25   # eager; the learning check
-#   bench/run.sh setup          # only the setup and its records
-#   bench/run.sh --tiny a 2 b 2 c 2 learn 3   # all of it on CPU, tiny (a host without GPU)
-#   bench/run.sh --cpu learn 25               # the learning check's own model, on CPU
+#   bench/run.sh [--smoke|--cpu] [--no-guard] [SETTING STEPS]...
+#   bench/run.sh b 3 grpo-lora 3          # the planner's PPO; GRPO + LoRA
+#   bench/run.sh setup                    # only the setup and its records
+#   bench/run.sh --smoke a 2 b 2 learn 2  # all of it on CPU with the smoke model
+#   bench/run.sh --cpu learn 25           # the learning check's own model, on CPU
 #
-# Settings: a (the seed article's), b (oldgpu plan's for a P40), c (b with eager),
-# learn (a small model must learn bench/reward_digits.py). Steps >= 2 are the timed ones.
+# Settings: `python3 bench/ppo_bench.py settings` (a, b, grpo, grpo-lora, grpo-lora-1p5b,
+# learn, learn-grpo). Steps >= 2 are the timed ones.
 # The whole call keeps within BENCH_BUDGET_S (default 540 s, the device tool allows 600):
-# a run still going at the deadline is stopped and keeps the steps it finished. The runs
-# stay on the machine in .device/bench/runs (a later call on the same warm machine adds
-# to them); $OUT gets summary.md (every run there so far), bench.json, setup.txt and
-# logs.tar.xz.
+# a run still going at the deadline is stopped and keeps the steps it finished, and a
+# setting is skipped when less than BENCH_MIN_LEFT_S (90 s) is left. The runs stay on
+# the machine in .device/bench/runs (a later call on the same warm machine adds to them);
+# after each setting $OUT gets summary.md (every run there so far), bench.json,
+# setup.txt and logs.tar.xz, so a call cut off still returns what it finished.
 set -uo pipefail
 t_start=$(date +%s)
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,17 +24,17 @@ OUT=${OUT:-$BENCH_HOME/out}
 export OUT
 BUDGET=${BENCH_BUDGET_S:-540}
 export PYTHONUNBUFFERED=1
-tiny=0
+smoke=0
 cpu=0
 guard_flag=()
 pairs=()
 while (($#)); do
   case $1 in
-    --tiny) tiny=1 cpu=1 ;;
+    --smoke) smoke=1 cpu=1 ;;
     --cpu) cpu=1 ;;
     --no-guard) guard_flag=(--no-guard) ;;
     setup) ;;
-    *) [[ $# -ge 2 ]] || { echo "usage: $0 [--tiny] [SETTING STEPS]..." >&2; exit 2; }
+    *) [[ $# -ge 2 ]] || { echo "usage: $0 [--smoke|--cpu] [SETTING STEPS]..." >&2; exit 2; }
        pairs+=("$1" "$2"); shift ;;
   esac
   shift
@@ -60,15 +61,19 @@ source "$BENCH_HOME/env/env.sh"
 py=${BENCH_PYTHON:-python3}
 scale_flag=()
 [[ $cpu == 1 ]] && scale_flag=(--cpu)
-[[ $tiny == 1 ]] && scale_flag=(--tiny)
+[[ $smoke == 1 ]] && scale_flag=(--smoke)
 
+export_out() {
+  "$py" "$root/bench/ppo_bench.py" export "$runs" "$OUT" --setup "$BENCH_HOME/setup-out/setup" >&2
+}
+export_out   # the setup's records, before any run
 i=0
 while ((i < ${#pairs[@]})); do
   setting=${pairs[i]} steps=${pairs[i + 1]}
   i=$((i + 2))
   now=$(date +%s)
   deadline=$((t_start + BUDGET - 25))   # leave time for the export
-  if ((deadline - now < 90)); then
+  if ((deadline - now < ${BENCH_MIN_LEFT_S:-90})); then
     echo "[run] skipping $setting: $((deadline - now)) s left in this call" >&2
     continue
   fi
@@ -76,7 +81,7 @@ while ((i < ${#pairs[@]})); do
   "$py" "$root/bench/ppo_bench.py" run "$setting" --steps "$steps" --out "$runs/$setting" \
     --deadline "$deadline" "${scale_flag[@]}" "${guard_flag[@]}"
   echo "[run] $setting: rc $?" >&2
+  export_out
 done
-"$py" "$root/bench/ppo_bench.py" export "$runs" "$OUT" --setup "$BENCH_HOME/setup-out/setup"
 cat "$OUT/summary.md"
 echo "[run] done in $(( $(date +%s) - t_start )) s" >&2
