@@ -14,10 +14,12 @@ Where each part lives (a new memory term goes into ``memory.py``):
 * ``model.py``: the model's shape (built-in or from config.json) and ``Precision``,
   the bytes per element of each role for a compute dtype;
 * ``inputs.py``: what the planner is asked (``Inputs``) and chooses (``Choice``);
+* ``recipes.py``: the recipe's facts (which estimators build a critic, LoRA's adapter
+  sizes) and ``recipe_fields``, the ``Inputs`` fields of a job's recipe;
 * ``memory.py``: the memory model, phase by phase, with its calibrated constants
   and the measurements behind them (docs/planner.md has the full account);
-* ``search.py``: the cap, the search space, offload levels, the search itself and
-  what to change when nothing fits;
+* ``search.py``: the cap, the search space, offload levels, the search itself,
+  what to change when nothing fits, and the largest built-in shape that fits;
 * ``explain.py``: the Hydra overrides, the reason behind each, the JSON and text;
 * ``cli.py``: ``oldgpu plan``'s flags.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from oldgpu import detect
 from oldgpu.plan.cli import _host_available_mib, add_parser, run
-from oldgpu.plan.explain import hydra_overrides, payload, text
+from oldgpu.plan.explain import hydra_overrides, largest_payload, payload, text
 from oldgpu.plan.inputs import PPO_MINI_BATCHES, Choice, Inputs, Offload
 from oldgpu.plan.memory import (
     MIB,
@@ -38,6 +40,7 @@ from oldgpu.plan.memory import (
     per_gpu_batch,
 )
 from oldgpu.plan.model import (
+    FAMILIES,
     PRECISIONS,
     SHAPES,
     ModelShape,
@@ -45,9 +48,12 @@ from oldgpu.plan.model import (
     load_model_dir,
     shape_from_config,
 )
-from oldgpu.plan.search import MAX_TRAIN_BATCH, Plan, cap_mib, plan, search
+from oldgpu.plan.recipes import ESTIMATORS, recipe_fields, uses_critic
+from oldgpu.plan.search import MAX_TRAIN_BATCH, Largest, Plan, cap_mib, largest, plan, search
 
 __all__ = [
+    "ESTIMATORS",
+    "FAMILIES",
     "MAX_TRAIN_BATCH",
     "MIB",
     "PHASES",
@@ -57,6 +63,7 @@ __all__ = [
     "VLLM_MAX_UTILIZATION",
     "Choice",
     "Inputs",
+    "Largest",
     "ModelShape",
     "Offload",
     "PhaseEstimate",
@@ -69,12 +76,16 @@ __all__ = [
     "estimate",
     "estimate_phase",
     "hydra_overrides",
+    "largest",
+    "largest_payload",
     "load_model_dir",
     "payload",
     "per_gpu_batch",
     "plan",
+    "recipe_fields",
     "run",
     "search",
     "shape_from_config",
     "text",
+    "uses_critic",
 ]

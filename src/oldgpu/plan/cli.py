@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from oldgpu import detect, profile
 from oldgpu.output import EngineError, Result
-from oldgpu.plan.explain import payload, text
+from oldgpu.plan import recipes
+from oldgpu.plan.explain import largest_payload, largest_text, payload, text
 from oldgpu.plan.inputs import PPO_MINI_BATCHES, Inputs
-from oldgpu.plan.model import SHAPES, load_model_dir
-from oldgpu.plan.search import CAP_FRACTION, CAP_MARGIN_MIB, MAX_OFFLOAD, plan
+from oldgpu.plan.model import FAMILIES, SHAPES, load_model_dir
+from oldgpu.plan.search import (
+    CAP_FRACTION,
+    CAP_MARGIN_MIB,
+    MAX_OFFLOAD,
+    does_not_fit,
+    largest,
+    plan,
+)
+
+DEFAULT_FAMILY = "qwen2.5"
 
 
 def _profile_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
@@ -38,7 +49,34 @@ def _host_available_mib() -> int | None:
     return None
 
 
+def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe's Inputs fields; the algorithm decides the critic unless --critic says."""
+    critic = args.critic
+    if args.algorithm is not None and critic is None:
+        critic = recipes.uses_critic(args.algorithm)
+    modules: tuple[str, ...] = ()
+    if args.lora_target_modules is not None:
+        modules = tuple(m.strip() for m in args.lora_target_modules.split(",") if m.strip())
+        if not modules:
+            raise EngineError("plan-bad-input", "--lora-target-modules names no module")
+    return {
+        "algorithm": args.algorithm,
+        "critic": True if critic is None else critic,
+        "rollout_n": args.rollout_n,
+        "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "lora_target_modules": modules,
+    }
+
+
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
+    if args.largest and (args.model or args.model_shape):
+        raise EngineError(
+            "plan-bad-input", "--largest plans every shape of --family; drop --model/--model-shape"
+        )
+    if args.family and not args.largest:
+        raise EngineError("plan-bad-input", "--family only goes with --largest")
+    recipe = _recipe_from_args(args)
     prof, gpus = _profile_from_args(args)
     device = prof["device"]
     if device == "cpu":
@@ -75,20 +113,31 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         compute_dtype=prof["compute_dtype"],
         rollout=prof["rollout"],
         device=device,
-        critic=args.critic,
         ref=args.ref,
-        rollout_n=args.rollout_n,
         headroom_mib=args.headroom_mib,
         target_train_batch=args.target_train_batch,
         max_offload=args.max_offload,
         ppo_mini_batches=args.ppo_mini_batches,
         model_name=name,
         profile_name=prof["name"],
+        **recipe,
     )
 
 
 def run(args: argparse.Namespace) -> Result:
     inp = inputs_from_args(args)
+    if args.largest:
+        family = args.family or DEFAULT_FAMILY
+        result = largest(inp, family)
+        if result.best is None:
+            name, _ = result.tried[0]
+            smallest = replace(inp, shape=SHAPES[name], model_name=name)
+            raise EngineError(
+                "plan-does-not-fit",
+                f"no {family} shape fits. The smallest: {does_not_fit(smallest)}",
+            )
+        doc = largest_payload(result)
+        return Result(payload=doc, text=largest_text(doc))
     doc = payload(plan(inp))
     return Result(payload=doc, text=text(doc))
 
@@ -125,8 +174,8 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--critic",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a critic (GAE needs one; GRPO does not)",
+        default=None,
+        help="a critic (default: on, or what --algorithm needs: GAE one, GRPO none)",
     )
     parser.add_argument(
         "--ref",
@@ -134,7 +183,35 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         default=True,
         help="a reference model (KL loss or KL in reward)",
     )
-    parser.add_argument("--rollout-n", type=int, default=1, metavar="N", help="responses/prompt")
+    recipe = parser.add_argument_group("recipe")
+    recipe.add_argument(
+        "--algorithm",
+        metavar="NAME",
+        help="verl's algorithm.adv_estimator: " + ", ".join(recipes.ESTIMATORS),
+    )
+    recipe.add_argument("--rollout-n", type=int, default=1, metavar="N", help="responses/prompt")
+    recipe.add_argument(
+        "--lora-rank", type=int, default=0, metavar="R", help="LoRA on the actor (0: off)"
+    )
+    recipe.add_argument(
+        "--lora-alpha", type=int, default=0, metavar="A", help="LoRA alpha (0: twice the rank)"
+    )
+    recipe.add_argument(
+        "--lora-target-modules",
+        metavar="LIST",
+        help=f"{recipes.ALL_LINEAR} (default) or names, comma-separated: q_proj,v_proj",
+    )
+    query = parser.add_argument_group("query")
+    query.add_argument(
+        "--largest",
+        action="store_true",
+        help="the largest built-in shape of --family that fits this card and recipe",
+    )
+    query.add_argument(
+        "--family",
+        metavar="NAME",
+        help=f"with --largest: {', '.join(FAMILIES)} (default {DEFAULT_FAMILY})",
+    )
     parser.add_argument("--target-train-batch", type=int, metavar="N")
     parser.add_argument(
         "--max-offload",

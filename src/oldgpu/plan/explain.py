@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
+from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs
 from oldgpu.plan.memory import (
     LOGITS_TRAIN_COPIES,
@@ -17,10 +18,12 @@ from oldgpu.plan.memory import (
     per_gpu_batch,
     vllm_utilization,
 )
+from oldgpu.plan.model import SHAPES
 from oldgpu.plan.search import (
     LOG_PROB_MICRO_BATCHES,
     MAX_TRAIN_BATCH,
     MICRO_BATCHES,
+    Largest,
     Plan,
     batch_candidates,
     cap_mib,
@@ -64,12 +67,54 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
         ]
     if inp.rollout_n != 1:
         out.append(f"actor_rollout_ref.rollout.n={inp.rollout_n}")
+    out += recipe_overrides(inp)
     if inp.rollout == "vllm":  # never for the HF rollout: these settings are vLLM's
         util = vllm_utilization(inp, phases["generate"])
         out.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={util}")
     if inp.device == "cuda":
         out.append(f"trainer.n_gpus_per_node={inp.gpus}")
     return out
+
+
+def recipe_overrides(inp: Inputs) -> list[str]:
+    """The recipe's keys the memory depends on: the estimator (when given) and LoRA."""
+    out = []
+    if inp.algorithm is not None:
+        out.append(f"algorithm.adv_estimator={inp.algorithm}")
+    if inp.lora:
+        modules = recipes.target_modules_value(inp.lora_target_modules)
+        out += [
+            f"actor_rollout_ref.model.lora_rank={inp.lora_rank}",
+            f"actor_rollout_ref.model.lora_alpha={inp.lora_alpha_value}",
+            f"actor_rollout_ref.model.target_modules={modules}",
+        ]
+    return out
+
+
+def _recipe_reasons(found: Plan) -> dict[str, str]:
+    inp = found.inputs
+    r: dict[str, str] = {}
+    if inp.algorithm is not None:
+        r["algorithm.adv_estimator"] = (
+            f"the input; verl builds {'a' if inp.critic else 'no'} critic for it"
+            + ("" if inp.critic else ": no critic weights, gradients, Adam or phases")
+        )
+    if inp.lora:
+        upd = found.phases["actor_update"]
+        r["actor_rollout_ref.model.lora_rank"] = (
+            f"the input: {inp.adapter_params / 1e6:.1f}M adapter parameters train "
+            f"(gradients {upd.resident.get('actor_grads', 0):.0f} MiB, Adam "
+            f"{upd.resident.get('actor_adam', 0):.0f} MiB); the {inp.shape.params() / 1e6:.0f}M "
+            f"base weights stay frozen in {inp.compute_dtype}, and the ref is the actor "
+            "without its adapters"
+        )
+        r["actor_rollout_ref.model.lora_alpha"] = (
+            "the input" if inp.lora_alpha else "twice the rank (no --lora-alpha)"
+        )
+        r["actor_rollout_ref.model.target_modules"] = (
+            "the input" if inp.lora_target_modules else "every linear layer of the decoder"
+        )
+    return r
 
 
 def _reasons(found: Plan) -> dict[str, str]:
@@ -133,7 +178,14 @@ def _reasons(found: Plan) -> dict[str, str]:
         f"actor_log_prob {alp.peak:.0f} MiB (logits with entropy "
         f"{item(alp, 'logits', 'logits'):.0f}){more_lp}"
     )
-    if inp.ref:
+    if inp.ref and inp.lora:
+        rlp = ph["ref_log_prob"]
+        r["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = (
+            f"as the rollout's, which verl uses for it with LoRA (the actor without its "
+            f"adapters, no ref copy): ref_log_prob {rlp.peak:.0f} MiB (logits "
+            f"{item(rlp, 'logits', 'logits'):.0f})"
+        )
+    elif inp.ref:
         rlp = ph["ref_log_prob"]
         r["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = (
             f"as the rollout's: ref_log_prob {rlp.peak:.0f} MiB (logits "
@@ -182,6 +234,10 @@ def _reasons(found: Plan) -> dict[str, str]:
             "follows the actor's: verl 0.5.0 wraps the ref with FSDP CPUOffload itself and the "
             "colocated worker reads the actor's flags"
         )
+        if inp.lora:
+            r["actor_rollout_ref.ref.fsdp_config.param_offload"] = (
+                "follows the actor's; with LoRA verl builds no ref model, so it changes nothing"
+            )
     if inp.critic:
         r["critic.ppo_mini_batch_size"] = "the actor's (verl's default follows it)"
         cu = ph["critic_update"]
@@ -197,6 +253,7 @@ def _reasons(found: Plan) -> dict[str, str]:
             "vLLM's share of the GPU: its weights, KV cache and workspace in generate"
         )
     r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
+    r.update(_recipe_reasons(found))
     return r
 
 
@@ -213,10 +270,17 @@ def _notes(found: Plan) -> list[str]:
             "verl builds the ref only with actor_rollout_ref.actor.use_kl_loss=True or "
             "algorithm.use_kl_in_reward=True; without either, plan with --no-ref"
         )
-    if inp.critic:
+    if inp.algorithm is not None:
+        notes += _recipe_notes(inp)
+    elif inp.critic:
         notes.append("verl uses the critic only with algorithm.adv_estimator=gae (its default)")
     else:
         notes.append("no critic: set an estimator without one (e.g. algorithm.adv_estimator=grpo)")
+    if inp.lora:
+        notes.append(
+            "LoRA: the ref log-prob is the actor with its adapters disabled (no ref copy); "
+            "under the HF rollout verl 0.5.0 needs oldgpu patch's hf-rollout-lora-wrap"
+        )
     limit = inp.shape.max_position_embeddings
     if limit and inp.seq > limit:
         notes.append(f"prompt + response ({inp.seq}) exceeds the model's {limit} positions")
@@ -227,6 +291,42 @@ def _notes(found: Plan) -> list[str]:
             "several GPUs: sharding and offload follow FSDP's design; only one GPU was measured"
         )
     return notes
+
+
+def _recipe_notes(inp: Inputs) -> list[str]:
+    notes = []
+    if inp.critic:
+        notes.append(f"algorithm.adv_estimator={inp.algorithm}: verl trains a critic")
+    elif inp.ref:
+        notes.append(
+            f"algorithm.adv_estimator={inp.algorithm}: no critic; the ref is counted for the "
+            "KL loss (actor_rollout_ref.actor.use_kl_loss=True), as verl's examples set it"
+        )
+    else:
+        notes.append(
+            f"algorithm.adv_estimator={inp.algorithm}: no critic, and no ref (no KL: "
+            "actor_rollout_ref.actor.use_kl_loss=False, algorithm.use_kl_in_reward=False)"
+        )
+    if inp.algorithm in recipes.GROUP_ESTIMATORS and inp.rollout_n < 2:
+        notes.append(
+            f"{inp.algorithm} compares the responses to one prompt: with rollout.n 1 "
+            "verl falls back to a zero baseline; use --rollout-n 2 or more"
+        )
+    return notes
+
+
+def _recipe_inputs(inp: Inputs) -> dict[str, Any]:
+    """The recipe's inputs, present only when given (plans without them stay as they were)."""
+    out: dict[str, Any] = {}
+    if inp.algorithm is not None:
+        out["algorithm"] = inp.algorithm
+    if inp.lora:
+        out["lora"] = {
+            "rank": inp.lora_rank,
+            "alpha": inp.lora_alpha_value,
+            "target_modules": list(inp.lora_target_modules) or [recipes.ALL_LINEAR],
+        }
+    return out
 
 
 def payload(found: Plan) -> dict[str, Any]:
@@ -253,6 +353,7 @@ def payload(found: Plan) -> dict[str, Any]:
             "target_train_batch": inp.target_train_batch,
             "max_offload": inp.max_offload,
             "ppo_mini_batches": inp.ppo_mini_batches,
+            **_recipe_inputs(inp),
         },
         "model": {
             "name": inp.model_name,
@@ -263,6 +364,11 @@ def payload(found: Plan) -> dict[str, Any]:
             "bytes_per_trained_param": inp.precision.master
             + inp.precision.grad
             + inp.precision.adam,
+            **(
+                {"adapter_params": inp.adapter_params, "trained_params": inp.trained_params}
+                if inp.lora
+                else {}
+            ),
         },
         "choice": {
             "train_batch_size": c.train_batch_size,
@@ -315,4 +421,76 @@ def text(doc: Mapping[str, Any]) -> str:
         if why:
             lines.append(f"      # {why}")
     lines += [f"note: {n}" for n in doc["notes"]]
+    return "\n".join(lines)
+
+
+def recipe_label(inp: Inputs) -> str:
+    """A short name for the recipe: the estimator, responses per prompt, LoRA."""
+    name = inp.algorithm or ("gae" if inp.critic else "no critic")
+    if inp.rollout_n > 1:
+        name += f", rollout.n {inp.rollout_n}"
+    if inp.lora:
+        name += f", LoRA r{inp.lora_rank}"
+    return name
+
+
+def largest_payload(result: Largest) -> dict[str, Any]:
+    """``oldgpu plan --largest``: each shape of the family with whether and how it fits,
+    and the plan of the largest that does."""
+    inp = result.inputs
+    best = result.best
+    shapes = []
+    for name, found in result.tried:
+        row: dict[str, Any] = {"model": name, "params": SHAPES[name].params(), "fits": bool(found)}
+        if found:
+            c = found.choice
+            row.update(
+                train_batch_size=c.train_batch_size,
+                sequences_per_step=c.train_batch_size * inp.rollout_n,
+                peak_mib=round(found.peak),
+                peak_phase=found.peak_phase,
+                offload=c.offload_level,
+            )
+        shapes.append(row)
+    return {
+        "query": "largest",
+        "family": result.family,
+        "recipe": recipe_label(inp),
+        "memory_mib": inp.memory_mib,
+        "cap_mib": cap_mib(inp),
+        "gpus": inp.gpus,
+        "profile": inp.profile_name,
+        "prompt_length": inp.prompt_length,
+        "response_length": inp.response_length,
+        "largest": best[0] if best else None,
+        "shapes": shapes,
+        "plan": payload(best[1]) if best else None,
+    }
+
+
+def largest_text(doc: Mapping[str, Any]) -> str:
+    best = next((r for r in doc["shapes"] if r["model"] == doc["largest"]), None)
+    answer = "none"
+    if best:
+        answer = (
+            f"{best['model']} (batch {best['train_batch_size']}, {best['sequences_per_step']} "
+            f"sequences, peak {best['peak_mib']} MiB in {best['peak_phase']})"
+        )
+    lines = [
+        f"largest {doc['family']} for {doc['recipe']} on {doc['gpus']} x {doc['memory_mib']} "
+        f"MiB ({doc['profile']}), prompt {doc['prompt_length']} + response "
+        f"{doc['response_length']}, cap {doc['cap_mib']} MiB: {answer}"
+    ]
+    for row in doc["shapes"]:
+        head = f"  {row['model']:<14} {row['params'] / 1e9:5.2f}B  "
+        if row["fits"]:
+            lines.append(
+                head + f"fits: batch {row['train_batch_size']} ({row['sequences_per_step']} "
+                f"sequences), peak {row['peak_mib']} MiB in {row['peak_phase']}, offload "
+                f"'{row['offload']}'"
+            )
+        else:
+            lines.append(head + "does not fit")
+    if doc["plan"]:
+        lines += ["", text(doc["plan"])]
     return "\n".join(lines)

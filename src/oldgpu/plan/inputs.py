@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from oldgpu.plan import recipes
 from oldgpu.plan.model import PRECISIONS, ModelShape, Precision
 
 PPO_MINI_BATCHES = 4  # optimizer steps per PPO step, as verl's defaults (1024/256, 256/64)
@@ -28,10 +29,38 @@ class Inputs:
     ppo_mini_batches: int = PPO_MINI_BATCHES
     model_name: str = ""
     profile_name: str = ""
+    # The recipe (plan/recipes.py): verl's adv_estimator when given (None: `critic`
+    # decides, as before), LoRA on the actor when lora_rank > 0.
+    algorithm: str | None = None
+    lora_rank: int = 0
+    lora_alpha: int = 0  # 0: twice the rank
+    lora_target_modules: tuple[str, ...] = ()  # empty: all-linear
 
     @property
     def seq(self) -> int:
         return self.prompt_length + self.response_length
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def adapter_params(self) -> int:
+        return recipes.adapter_params(self.shape, self.lora_rank, self.lora_target_modules)
+
+    @property
+    def actor_params(self) -> int:
+        """The actor's weights: the model's, plus LoRA's adapters."""
+        return self.shape.params() + self.adapter_params
+
+    @property
+    def trained_params(self) -> int:
+        """What gets gradients and Adam state: the adapters only with LoRA."""
+        return self.adapter_params if self.lora else self.shape.params()
+
+    @property
+    def lora_alpha_value(self) -> int:
+        return self.lora_alpha or 2 * self.lora_rank
 
     @property
     def precision(self) -> Precision:

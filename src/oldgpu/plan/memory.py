@@ -18,8 +18,16 @@ each phase counts
   several GPUs the shards do leave (not measured yet).
 * unsharded copies: with the HF rollout verl wraps the actor as ONE FSDP
   unit, so on several GPUs (or with a bf16 compute copy) the whole model is
-  unsharded for generate, log-prob and update; the critic is wrapped per layer
-  (root unit: the embeddings).
+  unsharded for generate, log-prob and update; the critic and the ref are
+  wrapped per layer (root unit: the embeddings), so FULL_SHARD gathers a unit
+  at a time (``unit_params``).
+* the recipe (recipes.py has the why): a critic-free estimator drops the
+  critic; ``rollout.n`` multiplies the sequences per GPU (``per_gpu_batch``);
+  LoRA keeps the frozen base weights and the base model's activations, trains
+  the adapters only (gradients, Adam, its step temporary, the flat gradient
+  copies: ``Inputs.trained_params``), freezes the embedding (no embedding
+  gradient), wraps the actor per layer, and runs the ref log-prob on the actor
+  with its adapters disabled (no ref weights, no ref reload).
 * transient tensors, as "moments" of a phase that do not coexist (the phase
   needs the largest):
   - generate (HF ``generate`` over the whole per-GPU rollout batch at once):
@@ -57,6 +65,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs
 from oldgpu.plan.model import ModelShape
 
@@ -207,9 +216,10 @@ class PhaseEstimate:
 _ABSENT = PhaseEstimate({}, {})
 
 
-def _layer_train_elems(s: ModelShape, checkpointing: bool) -> float:
-    """Elements per token held for the backward, all layers."""
-    layer = ACT_H * s.hidden_size + ACT_I * s.intermediate_size
+def _layer_train_elems(s: ModelShape, checkpointing: bool, adapters: int = 0) -> float:
+    """Elements per token held for the backward, all layers (``adapters``: what LoRA
+    adds per layer, ``recipes.adapter_act_elems``)."""
+    layer = ACT_H * s.hidden_size + ACT_I * s.intermediate_size + adapters
     backward = BACKWARD_H * s.hidden_size + BACKWARD_I * s.intermediate_size
     outside = ACT_OUTSIDE_H * s.hidden_size
     if checkpointing:
@@ -230,6 +240,17 @@ def param_offload_frees(inp: Inputs) -> bool:
     return inp.device == "cuda" and (inp.gpus > 1 or PARAM_OFFLOAD_FREES_ON_ONE_GPU)
 
 
+def unit_params(s: ModelShape, per_layer_extra: int = 0, lm_head: bool = True) -> int:
+    """What FULL_SHARD holds unsharded at once in a model wrapped per decoder layer: the
+    root unit (the embeddings, an untied lm_head; FSDP1 keeps the root gathered through
+    the whole pass) and two layers (the one computing and the one prefetched). verl
+    wraps so the critic, the ref (its own worker, role "ref", keeps the wrap policy the
+    HF rollout drops for the actor) and, with LoRA, the actor (recipes.py)."""
+    untied = lm_head and not s.tie_word_embeddings
+    root = s.embedding_params() * (2 if untied else 1)
+    return root + 2 * (s.layer_params() + per_layer_extra)
+
+
 def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     """Memory of one phase of one PPO step, per GPU, in MiB."""
     if (phase.startswith("critic") and not inp.critic) or (phase == "ref_log_prob" and not inp.ref):
@@ -238,7 +259,10 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     off = choice.offload
     cuda = inp.device == "cuda"
     frees = param_offload_frees(inp)
-    pa, pc = s.params(), s.critic_params()
+    # pa: the actor's weights (with LoRA: frozen base + adapters); pt: what it trains
+    # (LoRA: the adapters only, so gradients, Adam and its step temporary shrink).
+    lora = inp.lora
+    pa, pt, pc = inp.actor_params, inp.trained_params, s.critic_params()
     seq, resp, vocab, cb = inp.seq, inp.response_length, s.vocab_size, p.compute
     embed = s.embedding_params()
     batch = per_gpu_batch(inp, choice.train_batch_size)
@@ -246,30 +270,40 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     a_micro = min(choice.actor_micro, batch)
     c_micro = min(choice.critic_micro, batch)
     mixed = p.compute != p.master
-    actor_phase = phase in ("generate", "actor_log_prob", "actor_update")
+    # LoRA: the ref log-prob is the actor's forward with its adapters disabled (no ref copy)
+    actor_phase = phase in ("generate", "actor_log_prob", "actor_update") or (
+        lora and phase == "ref_log_prob"
+    )
     critic_phase = phase in ("critic_values", "critic_update")
 
     res: dict[str, float] = {}
     if actor_phase or not (off.actor_param and frees):
         res["actor_weights"] = _mib(pa * p.master / n)
     if phase == "actor_update" or not (off.actor_optimizer and cuda):
-        res["actor_adam"] = _mib(pa * p.adam / n)
+        res["actor_adam"] = _mib(pt * p.adam / n)
     if inp.critic:
         if critic_phase or not (off.critic_param and frees):
             res["critic_weights"] = _mib(pc * p.master / n)
         if phase == "critic_update" or not (off.critic_optimizer and cuda):
             res["critic_adam"] = _mib(pc * p.adam / n)
-    if inp.ref and (phase == "ref_log_prob" or n == 1 or not cuda):
-        # FSDP CPUOffload: the whole ref (one unit with the HF rollout) comes to the GPU
-        # for its forward; on one GPU it never leaves (NO_SHARD views).
+    if inp.ref and not lora and (n == 1 or not cuda):
+        # On one GPU the CPUOffload-wrapped ref never leaves (NO_SHARD views).
         res["ref_weights"] = _mib(pa * p.ref)
+    elif inp.ref and not lora and phase == "ref_log_prob":
+        # Several GPUs: FSDP CPUOffload keeps the ref's shards on the host and gathers
+        # one unit at a time on the GPU for its forward (the ref is wrapped per layer).
+        res["ref_weights"] = _mib(unit_params(s) * p.ref)
     if actor_phase and (n > 1 or mixed):
         unshard = p.master if phase == "generate" else p.compute  # summon_full_params
-        res["actor_unsharded_weights"] = _mib(pa * unshard)
+        if lora:  # wrapped per layer: a unit at a time
+            per_layer = recipes.adapter_layer_params(s, inp.lora_rank, inp.lora_target_modules)
+            res["actor_unsharded_units"] = _mib(unit_params(s, per_layer) * unshard)
+        else:  # the HF rollout's actor is ONE unit: all of it
+            res["actor_unsharded_weights"] = _mib(pa * unshard)
     if critic_phase and (n > 1 or mixed):
-        res["critic_unsharded_units"] = _mib((embed + 2 * s.layer_params()) * cb)
+        res["critic_unsharded_units"] = _mib(unit_params(s, lm_head=False) * cb)
     if phase == "actor_update":
-        res["actor_grads"] = _mib(pa * p.grad / n)
+        res["actor_grads"] = _mib(pt * p.grad / n)
     if phase == "critic_update":
         res["critic_grads"] = _mib(pc * p.grad / n)
 
@@ -302,7 +336,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         }
         if phase != "critic_values":
             full = tokens * vocab * cb
-            if phase == "actor_log_prob":
+            if phase == "actor_log_prob" or lora:  # LoRA's ref pass computes entropy too
                 extra = LOGITS_ENTROPY_RESPONSE_COPIES * micro * resp * vocab * cb
             else:
                 extra = resp * vocab * cb
@@ -311,16 +345,21 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
                 "hidden_states": _mib(tokens * s.hidden_size * cb),
             }
     else:
-        micro, params = (a_micro, pa) if phase == "actor_update" else (c_micro, pc)
+        actor = phase == "actor_update"
+        micro, params = (a_micro, pt) if actor else (c_micro, pc)
         tokens = micro * seq
+        # LoRA still saves the base model's activations (gradients flow through the
+        # frozen layers to the adapters), plus each adapter's r-sized intermediate.
+        adapters = recipes.adapter_act_elems(s, inp.lora_rank, inp.lora_target_modules)
+        elems = _layer_train_elems(s, choice.gradient_checkpointing, adapters if actor else 0)
         back = {
             "activations": _mib(
-                tokens * _layer_train_elems(s, choice.gradient_checkpointing) * cb
-                + micro * seq * seq * cb  # the 4D attention mask sdpa keeps
+                tokens * elems * cb + micro * seq * seq * cb  # + the 4D mask sdpa keeps
             ),
-            "embedding_grad": _mib(EMBEDDING_GRAD_COPIES * embed * cb),
         }
-        if phase == "actor_update":
+        if not (lora and actor):  # LoRA freezes the embedding: no gradient for it
+            back["embedding_grad"] = _mib(EMBEDDING_GRAD_COPIES * embed * cb)
+        if actor:
             back["logits"] = _mib(LOGITS_TRAIN_COPIES * tokens * vocab * cb)
         moments["backward"] = back
         moments["optimizer_step"] = {
@@ -329,7 +368,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         reloaded = off.actor_param and cuda and not frees
         if phase == "actor_update" and not reloaded:
             moments["backward_end"] = {
-                "flat_gradient_copies": _mib(ACTOR_GRAD_END_COPIES * pa * (cb if n > 1 else p.grad))
+                "flat_gradient_copies": _mib(ACTOR_GRAD_END_COPIES * pt * (cb if n > 1 else p.grad))
             }
     if cuda and not frees:
         # one GPU: reloading makes a second copy until the first forward (see RELOAD_COPIES)
@@ -338,7 +377,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
             reload = pa * p.master
         elif critic_phase and inp.critic and off.critic_param:
             reload = pc * p.master
-        elif phase == "ref_log_prob":
+        elif phase == "ref_log_prob" and not lora:
             reload = pa * p.ref
         if reload:
             moments["reload"] = {"reloaded_weights_copy": _mib(RELOAD_COPIES * reload)}

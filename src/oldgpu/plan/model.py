@@ -76,12 +76,26 @@ class ModelShape:
         return trunk + self.hidden_size + self.hidden_size + 1
 
 
-# Built-in shapes (their config.json values).
+# Built-in shapes: the config.json values of the models named "<family>-<size>".
+# hidden, layers, heads, kv heads, intermediate, vocab, tie_word_embeddings.
 SHAPES: dict[str, ModelShape] = {
     "qwen2.5-0.5b": ModelShape(896, 24, 14, 2, 4864, 151936, True, max_position_embeddings=32768),
     "qwen2.5-1.5b": ModelShape(1536, 28, 12, 2, 8960, 151936, True, max_position_embeddings=32768),
     "qwen2.5-3b": ModelShape(2048, 36, 16, 2, 11008, 151936, True, max_position_embeddings=32768),
     "qwen2.5-7b": ModelShape(3584, 28, 28, 4, 18944, 152064, False, max_position_embeddings=32768),
+}
+
+
+def family_of(name: str) -> str:
+    return name.rsplit("-", 1)[0]
+
+
+# family -> its shapes' names, smallest first (what `oldgpu plan --largest` walks).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    family: tuple(
+        sorted((n for n in SHAPES if family_of(n) == family), key=lambda n: SHAPES[n].params())
+    )
+    for family in dict.fromkeys(family_of(n) for n in SHAPES)
 }
 
 _REQUIRED_CONFIG_KEYS = (

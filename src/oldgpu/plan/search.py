@@ -16,9 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from oldgpu.output import EngineError
+from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs, Offload
 from oldgpu.plan.memory import PhaseEstimate, estimate, estimate_phase, per_gpu_batch
-from oldgpu.plan.model import PRECISIONS, SHAPES
+from oldgpu.plan.model import FAMILIES, PRECISIONS, SHAPES
 
 # The cap the peak must stay at or under: min(memory - CAP_MARGIN_MIB, CAP_FRACTION *
 # memory), i.e. 22 GiB on a 24 GiB card. --headroom-mib N makes it memory - N.
@@ -44,6 +45,9 @@ OFFLOAD_LEVELS: tuple[Offload, ...] = (
     Offload(True, True, True, True),
 )
 MAX_OFFLOAD = {"none": 0, "optimizer": 2, "all": 4}
+# The LoRA rank a refusal tries (verl's own GRPO LoRA examples use 64; the adapters'
+# size hardly matters next to the frozen base weights).
+SUGGESTED_LORA_RANK = 64
 
 
 def cap_mib(inp: Inputs) -> int:
@@ -218,17 +222,25 @@ def validate(inp: Inputs) -> None:
         raise EngineError("plan-bad-input", f"no memory figures for dtype {inp.compute_dtype!r}")
     if inp.device == "cpu" and inp.gpus != 1:
         raise EngineError("plan-bad-input", "the cpu profile plans one worker process: --gpus 1")
+    recipes.validate(
+        inp.algorithm,
+        inp.critic,
+        inp.rollout_n,
+        inp.lora_rank,
+        inp.lora_alpha,
+        inp.lora_target_modules,
+    )
 
 
 def plan(inp: Inputs) -> Plan:
     """The plan, or EngineError("plan-does-not-fit") naming what to change."""
     found = search(inp)
     if found is None:
-        raise EngineError("plan-does-not-fit", _does_not_fit(inp))
+        raise EngineError("plan-does-not-fit", does_not_fit(inp))
     return found
 
 
-def _does_not_fit(inp: Inputs) -> str:
+def does_not_fit(inp: Inputs) -> str:
     """Why the smallest setting does not fit, and which changes would."""
     batch = inp.target_train_batch or inp.gpus
     tries = []
@@ -259,14 +271,24 @@ def _does_not_fit(inp: Inputs) -> str:
         if more:
             fixes.append(f"more GPUs (--gpus {more} fits: FSDP shards weights, grads, Adam)")
         else:
-            fixes.append("more GPUs do not help alone (each GPU holds the whole actor unsharded)")
+            fixes.append(
+                "more GPUs do not help alone"
+                + ("" if inp.lora else " (each GPU holds the whole actor unsharded)")
+            )
         capped = MAX_OFFLOAD[inp.max_offload] < MAX_OFFLOAD["all"]
         if capped and search(replace(inp, max_offload="all")):
             fixes.append("allow offload (--max-offload all)")
-    if inp.critic and search(replace(inp, critic=False)):
+    if inp.critic and inp.algorithm is None and search(replace(inp, critic=False)):
         fixes.append("no critic (GRPO: --no-critic fits)")
-    if inp.ref and search(replace(inp, ref=False)):
+    elif inp.critic and search(replace(inp, algorithm="grpo", critic=False)):
+        fixes.append("a critic-free estimator (--algorithm grpo fits)")
+    if inp.ref and not inp.lora and search(replace(inp, ref=False)):
         fixes.append("no reference model (no KL: --no-ref fits)")
+    if not inp.lora and search(replace(inp, lora_rank=SUGGESTED_LORA_RANK)):
+        fixes.append(
+            f"LoRA (--lora-rank {SUGGESTED_LORA_RANK} fits: gradients and Adam for the "
+            "adapters only, and no ref copy)"
+        )
     smaller = [
         name
         for name, shape in SHAPES.items()
@@ -288,3 +310,33 @@ def _longest_response_that_fits(inp: Inputs) -> int | None:
         else:
             hi = mid - 1
     return lo
+
+
+@dataclass(frozen=True)
+class Largest:
+    """The answer to "the largest model of these shapes that fits": each shape of the
+    family, smallest first, with its plan or None."""
+
+    inputs: Inputs
+    family: str
+    tried: tuple[tuple[str, Plan | None], ...]
+
+    @property
+    def best(self) -> tuple[str, Plan] | None:
+        fits = [(name, found) for name, found in self.tried if found is not None]
+        return fits[-1] if fits else None
+
+
+def largest(inp: Inputs, family: str) -> Largest:
+    """Plan each built-in shape of ``family`` for this card and recipe (``inp``'s shape
+    is replaced); the largest that fits is ``best``."""
+    if family not in FAMILIES:
+        raise EngineError(
+            "plan-bad-input", f"no built-in shapes of family {family!r} ({', '.join(FAMILIES)})"
+        )
+    validate(inp)
+    tried = tuple(
+        (name, search(replace(inp, shape=SHAPES[name], model_name=name)))
+        for name in FAMILIES[family]
+    )
+    return Largest(inp, family, tried)
