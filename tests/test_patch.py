@@ -402,14 +402,14 @@ def test_patched_tree_without_manifest_is_refused(verl_tree: Path, capsys) -> No
 
 @pytest.mark.parametrize(
     ("where", "nth"),
-    [("replace", 1), ("replace", 6), ("replace", 14), ("mkstemp", 4)],
+    [("replace", 1), ("replace", 6), ("replace", 14), ("fsync", 4)],
 )
 def test_failed_write_rolls_back(
     verl_tree: Path, verl_pristine: Path, monkeypatch, where: str, nth: int
 ) -> None:
     plan = patcher.plan_patch(verl_tree, patcher.Options())
     assert len([op for op in plan.ops if op.new is not None]) == 14  # 6 originals, manifest, 7
-    module = transaction.os if where == "replace" else transaction.tempfile
+    module = transaction.os  # fsync 4: the second staged file's (after the journal's two)
     real = getattr(module, where)
     calls = {"n": 0}
 

@@ -17,8 +17,12 @@ How it works:
 - ``DIR/.oldgpu-patch.json`` records the engine and verl versions, the options, and per
   file the original and patched sha256. A file matching neither is a hand edit: the
   patcher refuses to touch the tree.
-- All or nothing: every new content is computed and verified in memory, staged as
-  temporary files, then renamed into place; a failed write rolls back the ones done.
+- All or nothing: every new content is computed and verified in memory, then a
+  journal (``DIR/.oldgpu-patch.journal``) records every write before the first one;
+  the files are staged as temporary files and renamed into place, the manifest last.
+  A failed write rolls back the ones done; a run killed halfway is finished or undone
+  by the next run (patch, revert or check), so the tree is always the old one or the
+  new one, byte for byte.
 
 Where each part lives: ``options.py`` (what a run is for), ``sitepatch.py`` (what a
 patch is), ``registry.py`` (which patches a version gets: the ``verl_<x>_<y>_<z>*.py``

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from oldgpu.output import EngineError, Result
-from oldgpu.patch.manifest import MANIFEST_NAME
+from oldgpu.patch.manifest import MANIFEST_NAME, check_tree
 from oldgpu.patch.options import ATTN_IMPLEMENTATIONS, COMPUTE_DTYPES, Options, profile_options
 from oldgpu.patch.plans import Plan, plan_patch, plan_revert
-from oldgpu.patch.transaction import commit
+from oldgpu.patch.transaction import commit, locked, recover
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
@@ -55,11 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
 def run(args: argparse.Namespace) -> Result:
     if args.revert and (args.compute_dtype or args.attn_implementation or args.profile):
         raise EngineError("options-invalid", "--revert takes no patch options")
-    plan = plan_revert(args.dir) if args.revert else plan_patch(args.dir, options_from_args(args))
+    options = None if args.revert else options_from_args(args)
     dry_run = args.check or args.diff
-    diff = plan.diff() if args.diff else None
-    if not dry_run and plan.changed:
-        commit(plan)
+    check_tree(args.dir)
+    with locked(args.dir):
+        # An interrupted commit is finished or undone first, even by --check and --diff.
+        recovered = recover(args.dir, sweep=not dry_run)
+        plan = plan_revert(args.dir) if options is None else plan_patch(args.dir, options)
+        diff = plan.diff() if args.diff else None
+        if not dry_run and plan.changed:
+            commit(plan)
     payload = {
         "action": plan.action,
         "changed": plan.changed,
@@ -71,10 +76,15 @@ def run(args: argparse.Namespace) -> Result:
         "files": plan.files,
         "patches": plan.patches,
     }
+    if recovered:
+        payload["recovered"] = recovered
     if diff is not None:
         payload["diff"] = diff
     code = 1 if args.check and plan.changed else 0
-    return Result(payload, _text(plan, dry_run, diff), code)
+    text = _text(plan, dry_run, diff)
+    if recovered and diff is None:
+        text = f"{plan.root}: an interrupted commit was {recovered}\n{text}"
+    return Result(payload, text, code)
 
 
 def _text(plan: Plan, dry_run: bool, diff: str | None) -> str:

@@ -111,7 +111,7 @@ class Op:
     old: bytes | None
     new: bytes | None
     tree: bool  # a verl file (reported, diffed) rather than bookkeeping
-    order: int  # bookkeeping that lets a half-done run be understood goes first
+    order: int  # the order of the writes: originals first, the manifest last
 
 
 @dataclass
@@ -206,8 +206,8 @@ def plan_patch(root: Path, options: Options) -> Plan:
             )
 
     plan = Plan(root, "patch", version, options)
-    # Originals first, then the manifest, then the tree: a run cut short leaves files the
-    # manifest can still account for.
+    # Originals first, the manifest last: the transaction's journal makes the whole
+    # atomic, and a reader never sees a manifest ahead of the tree.
     for rel in targeted:
         _add_op(plan, f"{ORIGINALS_DIR}/{rel}", sources[rel], tree=False, order=0)
     new_manifest = {
@@ -228,17 +228,17 @@ def plan_patch(root: Path, options: Options) -> Plan:
         "patches": [],
     }
     for rel in targeted:
-        _add_op(plan, rel, results[rel].data, tree=True, order=2)
+        _add_op(plan, rel, results[rel].data, tree=True, order=1)
         plan.files.append(_file_entry(plan, rel, sources[rel], results[rel].data, restoring=False))
     for rel in sorted(set(recorded_files) - set(targeted)):
-        _add_op(plan, rel, originals[rel], tree=True, order=2)
-        _add_op(plan, f"{ORIGINALS_DIR}/{rel}", None, tree=False, order=4)
+        _add_op(plan, rel, originals[rel], tree=True, order=1)
+        _add_op(plan, f"{ORIGINALS_DIR}/{rel}", None, tree=False, order=2)
         plan.files.append(_file_entry(plan, rel, originals[rel], originals[rel], restoring=True))
     for rel, data in added.items():
-        _add_op(plan, rel, data, tree=True, order=2)
+        _add_op(plan, rel, data, tree=True, order=1)
         plan.files.append(_file_entry(plan, rel, None, data, restoring=False))
     for rel in sorted(set(recorded_added) - set(added)):
-        _add_op(plan, rel, None, tree=True, order=2)
+        _add_op(plan, rel, None, tree=True, order=1)
         plan.files.append(_file_entry(plan, rel, None, None, restoring=True))
 
     report: dict[str, dict[str, Any]] = {}
@@ -256,7 +256,7 @@ def plan_patch(root: Path, options: Options) -> Plan:
             report[name]["sites"].extend(s.as_dict() for s in sites)
     plan.patches = [r for r in report.values() if r["sites"]]
     new_manifest["patches"] = plan.patches
-    _add_op(plan, MANIFEST_NAME, dump_manifest(new_manifest), tree=False, order=1)
+    _add_op(plan, MANIFEST_NAME, dump_manifest(new_manifest), tree=False, order=3)
     plan.ops.sort(key=lambda op: op.order)
     return plan
 
@@ -292,10 +292,10 @@ def plan_revert(root: Path) -> Plan:
         added = root / rel
         for pyc in sorted((added.parent / "__pycache__").glob(f"{added.stem}.*.pyc")):
             _add_op(plan, str(pyc.relative_to(root)), None, tree=False, order=1)
-    # The manifest goes last but one and the originals last: until then a retry can finish.
-    _add_op(plan, MANIFEST_NAME, None, tree=False, order=2)
+    # The manifest goes last, as in a patch.
     for rel in sorted(manifest["files"]):
-        _add_op(plan, f"{ORIGINALS_DIR}/{rel}", None, tree=False, order=3)
+        _add_op(plan, f"{ORIGINALS_DIR}/{rel}", None, tree=False, order=2)
+    _add_op(plan, MANIFEST_NAME, None, tree=False, order=3)
     plan.ops.sort(key=lambda op: op.order)
     plan.patches = list(manifest.get("patches", []))
     return plan

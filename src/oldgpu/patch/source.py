@@ -36,12 +36,15 @@ class SourceFile:
         self._scope: dict[int, str] = {}
         self._parent: dict[int, ast.AST] = {}
         self._defs: dict[str, ast.AST] = {}
+        # Every node by its scope (patches ask for one scope many times), in source order.
+        self._by_scope: dict[str, list[ast.AST]] = {}
         self._index(self.tree, MODULE_SCOPE)
 
     def _index(self, node: ast.AST, scope: str) -> None:
         for child in ast.iter_child_nodes(node):
             self._parent[id(child)] = node
             self._scope[id(child)] = scope
+            self._by_scope.setdefault(scope, []).append(child)
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 inner = child.name if scope == MODULE_SCOPE else f"{scope}.{child.name}"
                 self._defs.setdefault(inner, child)
@@ -60,7 +63,7 @@ class SourceFile:
 
     def in_scope(self, scope: str, kind: type | tuple[type, ...]) -> list:
         """Every node of ``kind`` whose innermost enclosing def/class is ``scope``."""
-        return [n for n in ast.walk(self.tree) if isinstance(n, kind) and self.scope(n) == scope]
+        return [n for n in self._by_scope.get(scope, ()) if isinstance(n, kind)]
 
     def definition(self, qualname: str) -> ast.AST | None:
         """The class or function called ``qualname`` (e.g. ``Worker.generate``)."""
