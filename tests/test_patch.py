@@ -108,6 +108,8 @@ def test_json_report_shape(verl_tree: Path, capsys) -> None:
         "flash-attn-import-guard",
         "reward-model-dtype",
         "hf-rollout-param-offload",
+        "hf-rollout-one-sequence",
+        "hf-rollout-lora-wrap",
         "compat-module",
     }
     sites = {p["name"]: p["sites"] for p in out["patches"]}
