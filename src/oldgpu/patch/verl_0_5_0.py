@@ -368,8 +368,8 @@ class HfRolloutLoraWrap(SitePatch):
     the actor's policy is then set to None (a TODO about a hang with Gemma), so the
     whole model is one flat parameter and FSDP refuses it ("Must flatten tensors with
     uniform `requires_grad` when `use_orig_params=False`"). ``use_orig_params=True``
-    would start, but FSDP then computes and keeps gradients for the frozen base
-    weights too, and ``layered_summon_lora_params`` (the checkpoint's
+    would start, but FSDP then keeps gradient memory for the frozen base weights
+    too, and ``layered_summon_lora_params`` (the checkpoint's
     lora_adapter/) finds no nested unit and saves an empty adapter. So with LoRA the
     policy stays, as it does for vLLM; without LoRA nothing changes.
     """
