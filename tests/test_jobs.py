@@ -508,3 +508,15 @@ def test_start_script_without_a_job_is_a_config_error(tmp_path):
     )
     assert proc.returncode == 4
     assert "VERL_JOB_NAME" in proc.stderr
+
+
+def test_recipe_doc_names_every_setting_and_algorithm():
+    from oldgpu import recipe
+
+    doc = (ROOT / "docs/recipes.md").read_text()
+    settings = ("algorithm", "rollout_n", "kl_loss_coef", "lora_rank", "lora_alpha")
+    for name in (*settings, "lora_target_modules", *recipe.ALGORITHMS):
+        assert f"| `{name}` |" in doc, name
+    for name in settings:
+        default = jobs.FIELD_BY_NAME[name].default
+        assert f"| `{name}` | `{default}`" in doc, name
