@@ -48,7 +48,9 @@ molecule: image
 	@scripts/verl-mirror.sh >/dev/null
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
-test: lint unit nix molecule
+# Each stage timed (scripts/test-stages.sh prints a table at the end).
+test:
+	@scripts/test-stages.sh lint unit nix molecule
 	@echo "make test: all checks passed"
 
 demo: image

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import tree_hashes
 
+import oldgpu.patch.registry as patch_registry
 from oldgpu import cli
-from oldgpu.patch import verl_0_5_0
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +44,13 @@ def function(tree: Path, rel: str, qualname: str) -> ast.FunctionDef:
             n for n in node.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part
         ]
     return node
+
+
+def without_new(monkeypatch, *names: str) -> None:
+    """The registry as it was before these patches (for a before/after comparison)."""
+    kept = tuple(p for p in patch_registry.registry() if p.name not in names)
+    assert len(kept) == len(patch_registry.registry()) - len(names)
+    monkeypatch.setattr(patch_registry, "registry", lambda: kept)
 
 
 def return_sequences(tree: Path) -> list[str]:
@@ -109,8 +116,7 @@ def test_nothing_else_changes(
     import shutil
 
     shutil.copytree(verl_pristine, before, symlinks=True)
-    old_set = tuple(p for p in verl_0_5_0.PATCHES if p.name not in NEW)
-    monkeypatch.setattr(verl_0_5_0, "PATCHES", old_set)
+    without_new(monkeypatch, *NEW)
     code, out = run_cli(capsys, str(before), "--profile", profile)
     assert code == 0 and not set(NEW) & {p["name"] for p in out["patches"]}
     without = tree_hashes(before)
@@ -184,9 +190,8 @@ def test_rollout_returns_one_response_per_repeated_prompt(
 
     # The cpu set without this patch (the pristine tree cannot run on a CPU at all):
     # n² responses, which the trainer's union of batch and responses then refuses.
-    without = tuple(p for p in verl_0_5_0.PATCHES if p.name != "hf-rollout-one-sequence")
     with monkeypatch.context() as m:
-        m.setattr(verl_0_5_0, "PATCHES", without)
+        without_new(m, "hf-rollout-one-sequence")
         run_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert run() == "4 8 (8, 4)"
     code, out = run_cli(capsys, str(verl_tree), "--profile", "cpu")
