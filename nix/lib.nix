@@ -135,7 +135,15 @@ let
   # json.dumps of a list of strings, as the engine writes it (", " between items).
   pythonJsonList = items: "[" + concatStringsSep ", " (map toJSON items) + "]";
 
-  envValue = f: v: if f.type == "list" then pythonJsonList v else toString v;
+  # Floats as the engine writes them (%g): Nix's JSON of a float is that text.
+  envValue =
+    f: v:
+    if f.type == "list" then
+      pythonJsonList v
+    else if f.type == "float" then
+      toJSON v
+    else
+      toString v;
 
   # The env file of one job: byte for byte what `oldgpu job env` prints for the
   # same settings (a test compares them; the module also has the engine check

@@ -42,6 +42,8 @@ let
       str = types.str;
       path = types.str;
       int = types.int;
+      # An int or a float: `kl_loss_coef = 0;` reads as the engine's 0.
+      float = types.number;
       bool = types.bool;
       list = types.listOf types.str;
     }

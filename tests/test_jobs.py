@@ -71,7 +71,14 @@ def test_argument_specs_match_the_engines_fields():
             assert opt.get("required") is True, field.name
         else:
             assert opt.get("default") == field.default, field.name
-        kind = {"str": "str", "path": "path", "int": "int", "list": "list", "bool": "bool"}
+        kind = {
+            "str": "str",
+            "path": "path",
+            "int": "int",
+            "float": "float",
+            "list": "list",
+            "bool": "bool",
+        }
         assert opt["type"] == kind[field.kind], field.name
 
 
@@ -81,6 +88,23 @@ def test_env_round_trip(job_dir):
     assert 'VERL_JOB_OVERRIDES=\'["trainer.test_freq=5", "a.b=[x,y]"]\'' in text
     assert "VERL_JOB_ENABLED" not in text  # systemd's business, not the job's
     assert jobs.job_from_env(jobs.parse_env(text)) == job
+
+
+def test_recipe_settings_round_trip(job_dir):
+    job = jobs.job_from_mapping(
+        spec(job_dir, algorithm="grpo", rollout_n="4", kl_loss_coef=5e-05, lora_rank=16.0,
+             lora_alpha=32, lora_target_modules=["q_proj", "v_proj"])
+    )  # fmt: skip
+    assert (job.algorithm, job.rollout_n, job.lora_rank) == ("grpo", 4, 16)
+    assert job.kl_loss_coef == 5e-05 and job.lora_target_modules == ("q_proj", "v_proj")
+    text = jobs.render_env(job)
+    # Floats as %g: what Nix's JSON writes for the same number (the module compares).
+    assert "VERL_JOB_KL_LOSS_COEF='5e-05'" in text
+    assert 'VERL_JOB_LORA_TARGET_MODULES=\'["q_proj", "v_proj"]\'' in text
+    assert jobs.job_from_env(jobs.parse_env(text)) == job
+    default = jobs.job_from_mapping(spec(job_dir))
+    assert (default.algorithm, default.rollout_n, default.kl_loss_coef) == ("gae", 1, 0.001)
+    assert (default.lora_rank, default.lora_alpha, default.lora_target_modules) == (0, 0, ())
 
 
 def test_env_file_is_what_a_shell_reads(job_dir, tmp_path):
@@ -112,6 +136,29 @@ def test_env_file_is_what_a_shell_reads(job_dir, tmp_path):
         ({"profile": "kepler2"}, "profile:"),
         ({"colour": "red"}, "unknown job settings: colour"),
         ({"val_files": ""}, "val_files is required"),
+        ({"total_steps": 2.5}, "not an integer"),  # refused, not truncated to 2
+        ({"total_steps": True}, "not an integer"),
+        # The recipe: algorithm, samples per prompt, KL loss, LoRA.
+        ({"algorithm": "ppo"}, "algorithm: 'ppo' is not one of gae, grpo"),
+        ({"algorithm": "grpo"}, "rollout_n: 1 is too few for algorithm grpo"),
+        ({"algorithm": "rloo", "rollout_n": 1}, "at least 2 responses per prompt"),
+        ({"rollout_n": 0}, "rollout_n: 0 must be at least 1"),
+        ({"rollout_n": "two"}, "rollout_n: 'two' is not an integer"),
+        ({"algorithm": "grpo", "rollout_n": 2, "critic_model_path": "/m"}, "trains no critic"),
+        ({"kl_loss_coef": -0.001}, "kl_loss_coef: -0.001 must be 0"),
+        ({"kl_loss_coef": "lots"}, "kl_loss_coef: 'lots' is not a number"),
+        ({"kl_loss_coef": True}, "is not a number"),
+        ({"kl_loss_coef": float("inf")}, "not a finite number"),
+        ({"kl_loss_coef": 0.1234567}, "more than 6 significant digits"),
+        ({"lora_rank": -8}, "lora_rank: -8 must be 0"),
+        ({"lora_rank": 8.5}, "lora_rank: 8.5 is not an integer"),
+        ({"lora_rank": "8x"}, "lora_rank: '8x' is not an integer"),
+        ({"lora_alpha": 16}, "lora_alpha: set without lora_rank"),
+        ({"lora_target_modules": ["q_proj"]}, "lora_target_modules: set without lora_rank"),
+        ({"lora_rank": 8, "lora_alpha": -1}, "lora_alpha: -1 must be 0"),
+        ({"lora_rank": 8, "lora_target_modules": "q_proj"}, "list of strings"),
+        ({"lora_rank": 8, "lora_target_modules": ["q proj"]}, "is not a module name"),
+        ({"lora_rank": 8, "lora_target_modules": ["all-linear", "q_proj"]}, "stands alone"),
     ],
 )
 def test_bad_settings_are_named(job_dir, change, needle):
@@ -226,6 +273,115 @@ def test_cpu_command(job_dir):
     assert o["data.train_batch_size"] == "4"
     assert o["trainer.default_local_dir"] == "/srv/state/checkpoints"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in doc["environment"]
+
+
+def verl_batches_divide(o: dict[str, str], gpus: int = 1) -> None:
+    """verl 0.5.0's own checks of the batch sizes (ray_trainer._validate_config and
+    the actor worker): per GPU, the mini batch of sequences is whole micro batches."""
+    n = int(o.get("actor_rollout_ref.rollout.n", "1"))
+    train, mini = (
+        int(o["data.train_batch_size"]),
+        int(o["actor_rollout_ref.actor.ppo_mini_batch_size"]),
+    )
+    micro = int(o["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"])
+    assert train * n % gpus == 0 and train >= mini
+    assert mini * n % gpus == 0 and (mini * n // gpus) % micro == 0
+
+
+def test_gae_is_todays_ppo(job_dir):
+    doc, _ = compose_for(job_dir, "p40", prompt_length=256, response_length=256)
+    o = overrides_of(doc)
+    assert o["algorithm.adv_estimator"] == "gae" and o["actor_rollout_ref.rollout.n"] == "1"
+    # verl's PPO default: no KL loss unless the job's overrides turn it on (with this coef).
+    assert "actor_rollout_ref.actor.use_kl_loss" not in o
+    assert o["actor_rollout_ref.actor.kl_loss_coef"] == "0.001"
+    assert o["critic.ppo_micro_batch_size_per_gpu"] and o["critic.model.path"]
+    assert not any(k.startswith("actor_rollout_ref.model.lora") for k in o)
+    assert doc["plan"]["inputs"]["critic"] is True and doc["plan"]["inputs"]["ref"] is True
+
+
+def test_grpo_turns_the_critic_off_and_the_kl_loss_on(job_dir):
+    doc, prof = compose_for(job_dir, "p40", algorithm="grpo", rollout_n=4, kl_loss_coef=0.002)
+    o = overrides_of(doc)
+    assert o["algorithm.adv_estimator"] == "grpo"
+    assert o["actor_rollout_ref.rollout.n"] == "4"
+    assert o["actor_rollout_ref.actor.use_kl_loss"] == "True"
+    assert o["actor_rollout_ref.actor.kl_loss_coef"] == "0.002"
+    assert o["algorithm.use_kl_in_reward"] == "False"
+    # No critic: neither the plan's settings for it nor its model (the profile's dtype
+    # keys stay: they are the profile's), and the planner counts none.
+    profile_keys = {jobs.override_key(item) for item in prof["hydra_overrides"]}
+    assert not [k for k in o if k.startswith("critic.") and k not in profile_keys]
+    inputs = doc["plan"]["inputs"]
+    assert (inputs["critic"], inputs["ref"], inputs["rollout_n"]) == (False, True, 4)
+    assert o["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"]
+    verl_batches_divide(o)
+
+
+def test_grpo_without_kl_needs_no_reference(job_dir):
+    doc, prof = compose_for(job_dir, "p40", algorithm="rloo", rollout_n=2, kl_loss_coef=0)
+    o = overrides_of(doc)
+    assert o["actor_rollout_ref.actor.use_kl_loss"] == "False"
+    assert doc["plan"]["inputs"]["ref"] is False
+    profile_keys = {jobs.override_key(item) for item in prof["hydra_overrides"]}
+    assert not [k for k in o if k.startswith("actor_rollout_ref.ref.") and k not in profile_keys]
+
+
+def test_lora_on_the_hf_rollout(job_dir):
+    doc, prof = compose_for(job_dir, "p40", algorithm="grpo", rollout_n=2, lora_rank=32)
+    assert prof["rollout"] == "hf"
+    o = overrides_of(doc)
+    assert o["actor_rollout_ref.model.lora_rank"] == "32"
+    assert o["actor_rollout_ref.model.lora_alpha"] == "64"  # twice the rank unless given
+    assert o["actor_rollout_ref.model.target_modules"] == "all-linear"
+    # vLLM's LoRA settings mean nothing to the HF rollout; the wrap is the patch's.
+    assert "actor_rollout_ref.rollout.load_format" not in o
+    assert "actor_rollout_ref.rollout.layered_summon" not in o
+    assert not any("use_orig_params" in k for k in o)
+    verl_batches_divide(o)
+
+
+def test_lora_on_vllm_loads_safetensors_layered(job_dir):
+    job = jobs.job_from_mapping(
+        spec(job_dir, profile="ampere", lora_rank=8, lora_alpha=8,
+             lora_target_modules=["q_proj", "v_proj"])
+    )  # fmt: skip
+    prof = jobs.resolve_profile(job, [])
+    assert prof["rollout"] == "vllm"
+    o = overrides_of(jobs.compose(job, prof, 81920, QWEN05B, environ={}))
+    assert o["actor_rollout_ref.model.target_modules"] == "[q_proj,v_proj]"
+    assert o["actor_rollout_ref.model.lora_alpha"] == "8"
+    assert o["actor_rollout_ref.rollout.load_format"] == "safetensors"
+    assert o["actor_rollout_ref.rollout.layered_summon"] == "True"
+    assert o["algorithm.adv_estimator"] == "gae" and o["critic.model.path"]  # PPO + LoRA
+
+
+@pytest.mark.parametrize("arch", ["pascal", "ampere"])
+def test_recipe_composes_with_verls_own_config(job_dir, verl_pristine, arch):
+    """Hydra applies the whole argv of a GRPO + LoRA job to verl 0.5.0's ppo_trainer
+    config: no key is missing and each value lands (verl decides no critic from it)."""
+    hydra = pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    job = jobs.job_from_mapping(
+        spec(job_dir, profile=arch, algorithm="grpo", rollout_n=4, lora_rank=8,
+             lora_target_modules=["q_proj", "v_proj"])
+    )  # fmt: skip
+    doc = jobs.compose(job, jobs.resolve_profile(job, []), 24576, QWEN05B, environ={})
+    overrides = doc["argv"][2:]
+    config_dir = verl_pristine / "verl" / "trainer" / "config"
+    hydra.core.global_hydra.GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    for override in overrides:
+        key, value = jobs.override_key(override), override.split("=", 1)[1]
+        got = OmegaConf.select(cfg, key)
+        if key == "actor_rollout_ref.model.target_modules":
+            assert list(got) == ["q_proj", "v_proj"]
+        elif key != "trainer.logger":
+            assert str(got) == value, override
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.actor.use_kl_loss
 
 
 def test_job_overrides_win_without_repeating_a_key(job_dir):
@@ -352,3 +508,15 @@ def test_start_script_without_a_job_is_a_config_error(tmp_path):
     )
     assert proc.returncode == 4
     assert "VERL_JOB_NAME" in proc.stderr
+
+
+def test_recipe_doc_names_every_setting_and_algorithm():
+    from oldgpu import recipe
+
+    doc = (ROOT / "docs/recipes.md").read_text()
+    settings = ("algorithm", "rollout_n", "kl_loss_coef", "lora_rank", "lora_alpha")
+    for name in (*settings, "lora_target_modules", *recipe.ALGORITHMS):
+        assert f"| `{name}` |" in doc, name
+    for name in settings:
+        default = jobs.FIELD_BY_NAME[name].default
+        assert f"| `{name}` | `{default}`" in doc, name

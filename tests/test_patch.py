@@ -109,6 +109,8 @@ def test_json_report_shape(verl_tree: Path, capsys) -> None:
         "flash-attn-import-guard",
         "reward-model-dtype",
         "hf-rollout-param-offload",
+        "hf-rollout-one-sequence",
+        "hf-rollout-lora-wrap",
         "compat-module",
     }
     sites = {p["name"]: p["sites"] for p in out["patches"]}
@@ -340,7 +342,8 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
     assert patcher.supported_versions() == ["0.5.0", "9.9.9"]
     (later,) = patcher.select_patches("9.9.9", patcher.Options())
     assert (later.name, later.files) == ("later-fix", ("verl/x.py",))
-    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 5
+    # The dtype set and the two HF-rollout fixes GRPO and LoRA need.
+    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 7
 
 
 def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Path) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, profile
+from oldgpu import detect, profile, recipe
 from oldgpu import plan as planner
 from oldgpu.output import EngineError, Result
 
@@ -47,7 +47,7 @@ FORBIDDEN = ("'", "\n", "\r", "\\")
 @dataclass(frozen=True)
 class Field:
     name: str  # as in the inventory / Nix option
-    kind: str  # str, path, int, list, bool
+    kind: str  # str, path, int, float, list, bool
     default: Any
     help: str
 
@@ -73,6 +73,12 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt_length", "int", 256, "data.max_prompt_length (the planner's input)"),
     Field("response_length", "int", 256, "data.max_response_length (the planner's input)"),
     Field("train_batch_size", "int", 0, "a train batch to plan for (0: the planner chooses)"),
+    Field("algorithm", "str", recipe.DEFAULT_ALGORITHM, "advantage estimator: " + ", ".join(recipe.ALGORITHMS) + " (only gae trains a critic)"),  # noqa: E501
+    Field("rollout_n", "int", 1, "responses sampled per prompt (grpo, rloo: at least 2)"),
+    Field("kl_loss_coef", "float", 0.001, "KL-to-reference loss; on for the critic-free algorithms (0: off)"),  # noqa: E501
+    Field("lora_rank", "int", 0, "LoRA adapters of this rank on the actor (0: full fine-tuning)"),
+    Field("lora_alpha", "int", 0, "LoRA alpha (0: twice lora_rank)"),
+    Field("lora_target_modules", "list", [], "modules LoRA adapts, e.g. [q_proj, v_proj] (empty: all-linear)"),  # noqa: E501
     Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
     Field("overrides", "list", [], "extra Hydra overrides, applied last"),
     Field("enabled", "bool", True, "start the job at boot"),
@@ -108,6 +114,12 @@ class Job:
     prompt_length: int
     response_length: int
     train_batch_size: int
+    algorithm: str
+    rollout_n: int
+    kl_loss_coef: float
+    lora_rank: int
+    lora_alpha: int
+    lora_target_modules: tuple[str, ...]
     profile: str
     overrides: tuple[str, ...]
 
@@ -139,10 +151,11 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
         if value is REQUIRED or (value in ("", None) and field.default is REQUIRED):
             raise _invalid(f"{field.name} is required ({field.help})")
         if field.kind == "int":
-            try:
-                value = int(value)
-            except (TypeError, ValueError):
-                raise _invalid(f"{field.name}: {value!r} is not an integer") from None
+            value = _integer(field, value)
+        elif field.kind == "float":
+            value, problem = recipe.parse_float(field.name, value)
+            if problem:
+                raise _invalid(problem)
         elif field.kind == "list":
             if isinstance(value, str):
                 raise _invalid(f"{field.name}: expected a list of strings, got a string")
@@ -177,7 +190,19 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             raise _invalid(f"overrides: {item!r} is not a Hydra override (key=value)")
     if out["profile"] and _profile_name(out["profile"])[0] not in profile.PROFILES:
         raise _invalid(f"profile: {out['profile']!r} is not one of {sorted(profile.PROFILES)}")
+    for problem in recipe.problems(out):
+        raise _invalid(problem)
     return Job(**out)
+
+
+def _integer(field: Field, value: Any) -> int:
+    """An int, or a string or float that is exactly one (8.5 is refused, not truncated)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise _invalid(f"{field.name}: {value!r} is not an integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise _invalid(f"{field.name}: {value!r} is not an integer") from None
 
 
 def _profile_name(name: str) -> tuple[str, str | None]:
@@ -190,7 +215,12 @@ def render_env(job: Job) -> str:
     lines = [f"# verl training job {job.name}: read by verl-train@{job.name}.service"]
     for field in ENV_FIELDS:
         value = getattr(job, field.name)
-        text = json.dumps(list(value)) if field.kind == "list" else str(value)
+        if field.kind == "list":
+            text = json.dumps(list(value))
+        elif field.kind == "float":
+            text = recipe.format_float(value)
+        else:
+            text = str(value)
         lines.append(f"{field.env}='{text}'")
     return "\n".join(lines) + "\n"
 
@@ -278,6 +308,9 @@ def plan_inputs(
         rollout=prof["rollout"],
         device=prof["device"],
         target_train_batch=job.train_batch_size or None,
+        critic=recipe.uses_critic(job.algorithm),
+        ref=recipe.needs_ref(job),
+        rollout_n=job.rollout_n,
         model_name=job.model_path,
         profile_name=prof["name"],
     )
@@ -301,14 +334,18 @@ def merge_overrides(*groups: Iterable[str]) -> list[str]:
 
 def job_overrides(job: Job, paths: Mapping[str, Path]) -> list[str]:
     """What the job itself decides: data, model, schedule, logging, resume."""
-    critic = job.critic_model_path or job.model_path
+    critic = []
+    if recipe.uses_critic(job.algorithm):
+        critic = [
+            f"critic.model.path={job.critic_model_path or job.model_path}",
+            # The tokenizer is the actor's (verl reads it from critic.model.tokenizer_path).
+            f"critic.model.tokenizer_path={job.model_path}",
+        ]
     return [
         f"data.train_files={job.train_files}",
         f"data.val_files={job.val_files}",
         f"actor_rollout_ref.model.path={job.model_path}",
-        f"critic.model.path={critic}",
-        # The tokenizer is the actor's (verl reads it from critic.model.tokenizer_path).
-        f"critic.model.tokenizer_path={job.model_path}",
+        *critic,
         f"trainer.total_training_steps={job.total_steps}",
         # verl stops at the end of total_epochs even short of the steps; every
         # epoch has a step, so this many never ends a job early.
@@ -345,6 +382,7 @@ def compose(
             prof["hydra_overrides"],
             plan_doc["hydra_overrides"],
             job_overrides(job, paths),
+            recipe.overrides(job, prof),
             job.overrides,
         ),
     ]
@@ -495,7 +533,7 @@ def run_fields(args: argparse.Namespace) -> Result:
         }
         for f in FIELDS
     ]
-    text = "\n".join(f"{d['name']:<18} {d['type']:<5} {d['help']}" for d in doc)
+    text = "\n".join(f"{d['name']:<20} {d['type']:<5} {d['help']}" for d in doc)
     return Result(doc, text)
 
 

@@ -14,26 +14,26 @@ FIRST_STEPS, SECOND_STEPS = 2, 4
 RUN_TIMEOUT_S = 900
 
 
-def show(host, *props):
-    out = host.check_output(f"systemctl show {UNIT} " + " ".join(f"-p {p}" for p in props))
+def show(host, *props, unit=UNIT):
+    out = host.check_output(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def run_to_end(host):
+def run_to_end(host, unit=UNIT):
     """Start the unit and wait until systemd says it ended; its journal since the start."""
     cursor = host.check_output("journalctl -n0 --show-cursor -q | sed -n 's/^-- cursor: //p'")
-    host.check_output(f"systemctl start {UNIT}")
+    host.check_output(f"systemctl start {unit}")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        state = show(host, "ActiveState", "SubState")
+        state = show(host, "ActiveState", "SubState", unit=unit)
         if state["ActiveState"] in ("inactive", "failed"):
             break
         time.sleep(5)
     else:
-        pytest.fail(f"{UNIT} still {state} after {RUN_TIMEOUT_S} s")
+        pytest.fail(f"{unit} still {state} after {RUN_TIMEOUT_S} s")
     after = f"--after-cursor '{cursor}'" if cursor else ""
-    journal = host.check_output(f"journalctl -u {UNIT} {after} -o cat --no-pager")
-    return show(host, "Result", "ExecMainStatus", "ActiveState"), journal
+    journal = host.check_output(f"journalctl -u {unit} {after} -o cat --no-pager")
+    return show(host, "Result", "ExecMainStatus", "ActiveState", unit=unit), journal
 
 
 def steps_logged(journal):
@@ -144,6 +144,65 @@ def test_plot_writes_a_png(host, first_run):
     assert png.exists and png.size > 10_000, out
     head = host.check_output(f"head -c 8 {STATE}/plot.png | od -An -tx1")
     assert head.split() == ["89", "50", "4e", "47", "0d", "0a", "1a", "0a"]
+
+
+GRPO_UNIT = "verl-train@grpo-lora.service"
+GRPO_CKPT = "/var/lib/verl/jobs/grpo-lora/checkpoints"
+GRPO_STEPS = 2
+# The smoke model's 2 layers x 7 linear layers (all-linear), lora_A and lora_B each.
+LORA_TENSORS = 2 * 7 * 2
+SAFETENSORS_HEADER = (
+    "import json, struct, sys; f = open(sys.argv[1], 'rb'); "
+    "n, = struct.unpack('<Q', f.read(8)); "
+    "print(json.dumps(json.loads(f.read(n))))"
+)
+
+
+@pytest.fixture(scope="module")
+def grpo_lora_run(host):
+    return run_to_end(host, GRPO_UNIT)
+
+
+def test_grpo_lora_job_trains_the_adapters_without_a_critic(host, grpo_lora_run):
+    result, journal = grpo_lora_run
+    assert result["Result"] == "success", journal[-4000:]
+    assert not host.service(GRPO_UNIT).is_enabled  # enabled: false
+    # The engine composed the recipe; verl applied LoRA to the actor.
+    command = next(line for line in journal.splitlines() if line.startswith("verl-train: /"))
+    for key in ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora_rank=8",
+                "actor_rollout_ref.model.lora_alpha=16",
+                "actor_rollout_ref.model.target_modules=all-linear"):  # fmt: skip
+        assert f" {key}" in command, key
+    assert "critic.model.path" not in command
+    assert "Applying LoRA to actor module" in journal
+    steps = steps_logged(journal)
+    assert sorted(steps) == list(range(1, GRPO_STEPS + 1)), journal[-4000:]
+    for line in steps.values():
+        assert "actor/kl_loss:" in line and "actor/pg_loss:" in line
+        assert "critic/vf_loss" not in line  # no critic was built
+        # 4 prompts x rollout_n 2 = 8 sequences (not 4 x 2 x 2): the tokens of the
+        # batch over the mean tokens of a sequence.
+        metric = {k: float(v) for k, v in re.findall(r"([\w/]+):(-?[\d.e+-]+)", line)}
+        per_sequence = metric["prompt_length/mean"] + metric["response_length/mean"]
+        assert round(metric["perf/total_num_tokens"] / per_sequence) == 8, line
+
+
+def test_grpo_lora_checkpoint_holds_the_adapters(host, grpo_lora_run):
+    step = f"{GRPO_CKPT}/global_step_{GRPO_STEPS}"
+    assert host.file(f"{step}/actor").is_directory
+    assert not host.file(f"{step}/critic").exists
+    config = json.loads(host.file(f"{step}/actor/lora_adapter/adapter_config.json").content_string)
+    assert (config["r"], config["lora_alpha"]) == (8, 16)
+    adapter = f"{step}/actor/lora_adapter/adapter_model.safetensors"
+    header = json.loads(host.check_output(f'python3 -c "{SAFETENSORS_HEADER}" {adapter}'))
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    # An FSDP wrap without LoRA's units saves an empty adapter; this one has them all.
+    assert len(tensors) == LORA_TENSORS, sorted(tensors)
+    assert all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    assert all(8 in v["shape"] for v in tensors.values())
+    latest = host.file(f"{GRPO_CKPT}/latest_checkpointed_iteration.txt")
+    assert latest.content_string.strip() == str(GRPO_STEPS)
 
 
 def test_second_start_resumes_from_the_checkpoint(host, second_run):

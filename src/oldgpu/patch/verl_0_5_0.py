@@ -12,7 +12,15 @@ import ast
 from oldgpu.patch.compat_module import COMPAT_ALIAS, COMPAT_MODULE, compat_exports
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import Change, Patch, Site, SiteNotFound, SitePatch, VerifyFailed
-from oldgpu.patch.source import MODULE_SCOPE, Edit, SourceFile, dotted, is_call_to, keyword
+from oldgpu.patch.source import (
+    MODULE_SCOPE,
+    Edit,
+    SourceFile,
+    dotted,
+    is_call_to,
+    is_constant,
+    keyword,
+)
 
 VERSIONS = frozenset({"0.5.0"})
 
@@ -235,6 +243,144 @@ class RewardModelDtype(SitePatch):
         return (Edit(start, end, self.NEW),), f"{old} -> {new}"
 
 
+class HfRolloutOneSequence(SitePatch):
+    """verl 0.5.0's HF rollout samples rollout.n² responses per prompt.
+
+    The trainer repeats the generation batch ``rollout.n`` times before it calls the
+    rollout (ray_trainer.fit, ``gen_batch.repeat(...)``), and the HF rollout asks
+    ``generate`` for ``num_return_sequences=config.n`` on top: with n=2 the batch union
+    fails ("Two tensor dict must have identical batch size ... [8] and [16]"). vLLM's
+    rollout sets n=1 ("already repeat in ray_trainer"); so does this. An upstream bug,
+    not a device one: it joins every profile's set.
+    """
+
+    name = "hf-rollout-one-sequence"
+    description = (
+        "the HF rollout's sampling asks generate for one sequence per prompt "
+        "(the trainer already repeated the batch rollout.n times)"
+    )
+    versions = VERSIONS
+    uses_compat = False
+    what = '"num_return_sequences": self.config.n'
+    sites = ((HF_ROLLOUT, "HFRollout._generate_minibatch", 1),)
+    KEY = "num_return_sequences"
+
+    def _entries(self, src: SourceFile, scope: str) -> list[tuple[ast.expr, ast.expr]]:
+        """(key, value) of every ``"num_return_sequences": ...`` dict entry in scope."""
+        return [
+            (k, v)
+            for d in src.in_scope(scope, ast.Dict)
+            for k, v in zip(d.keys, d.values, strict=True)
+            if is_constant(k, self.KEY)
+        ]
+
+    def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [v for _, v in self._entries(src, scope) if dotted(v) == "self.config.n"]
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [v for _, v in self._entries(src, scope) if is_constant(v, 1)]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        start, end = src.span(node)
+        return (Edit(start, end, "1"),), f'"{self.KEY}": self.config.n -> "{self.KEY}": 1'
+
+    def verify(self, src: SourceFile, options: Options, changes: list[Change]) -> None:
+        # The validation branch already says 1, so count every entry, not only ours:
+        # none left asking for more than one, and the patched ones among them.
+        for scope, count in self._scopes(src.rel):
+            if self.old_nodes(src, scope):
+                raise VerifyFailed(f"{scope}: {self.what} left after patching")
+            entries = self._entries(src, scope)
+            other = [v for _, v in entries if not is_constant(v, 1)]
+            if other:
+                raise VerifyFailed(f"{scope}: {self.KEY} is not 1 at line {other[0].lineno}")
+            if len(entries) < count:
+                raise VerifyFailed(f"{scope}: expected {count} patched sites")
+
+
+class HfRolloutLoraWrap(SitePatch):
+    """verl 0.5.0 drops the FSDP wrap policy for the HF rollout, LoRA's too.
+
+    ``get_fsdp_wrap_policy(is_lora=True)`` puts every trainable LoRA leaf in an FSDP
+    unit of its own, apart from the frozen base weights; for ``rollout.name == "hf"``
+    the actor's policy is then set to None (a TODO about a hang with Gemma), so the
+    whole model is one flat parameter and FSDP refuses it ("Must flatten tensors with
+    uniform `requires_grad` when `use_orig_params=False`"). ``use_orig_params=True``
+    would start, but FSDP then keeps gradient memory for the frozen base weights
+    too, and ``layered_summon_lora_params`` (the checkpoint's
+    lora_adapter/) finds no nested unit and saves an empty adapter. So with LoRA the
+    policy stays, as it does for vLLM; without LoRA nothing changes.
+    """
+
+    name = "hf-rollout-lora-wrap"
+    description = (
+        "with LoRA the actor keeps verl's LoRA wrap policy under the HF rollout "
+        "(adapters and frozen base weights in separate FSDP units)"
+    )
+    versions = VERSIONS
+    uses_compat = False
+    what = '`if self._is_rollout and self.config.rollout.name == "hf":` dropping the wrap policy'
+    sites = ((FSDP_WORKERS, "ActorRolloutRefWorker._build_model_optimizer", 1),)
+    FLAG = "self._is_lora"
+
+    @staticmethod
+    def _drops_policy(node: ast.If) -> bool:
+        return any(
+            isinstance(s, ast.Assign)
+            and [dotted(t) for t in s.targets] == ["auto_wrap_policy"]
+            and is_constant(s.value, None)
+            for s in node.body
+        )
+
+    def _hf_ifs(self, src: SourceFile, scope: str) -> list[ast.If]:
+        """``if self._is_rollout and self.config.rollout.name == "hf" [and ...]:`` that
+        set ``auto_wrap_policy = None``."""
+        found = []
+        for node in src.in_scope(scope, ast.If):
+            test = node.test
+            if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And)):
+                continue
+            first, second = test.values[:2]
+            hf = (
+                isinstance(second, ast.Compare)
+                and dotted(second.left) == "self.config.rollout.name"
+                and len(second.comparators) == 1
+                and is_constant(second.comparators[0], "hf")
+            )
+            if dotted(first) == "self._is_rollout" and hf and self._drops_policy(node):
+                found.append(node)
+        return found
+
+    def _not_lora(self, node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.UnaryOp)
+            and isinstance(node.op, ast.Not)
+            and dotted(node.operand) == self.FLAG
+        )
+
+    def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [n for n in self._hf_ifs(src, scope) if len(n.test.values) == 2]
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n
+            for n in self._hf_ifs(src, scope)
+            if len(n.test.values) == 3 and self._not_lora(n.test.values[2])
+        ]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        # The flag the new condition reads must exist on the worker.
+        init = src.definition("ActorRolloutRefWorker.__init__")
+        if init is None or not any(
+            isinstance(s, ast.Assign) and [dotted(t) for t in s.targets] == [self.FLAG]
+            for s in ast.walk(init)
+        ):
+            raise SiteNotFound(f"ActorRolloutRefWorker.__init__ does not set {self.FLAG}")
+        _, end = src.span(node.test)
+        text = f" and not {self.FLAG}"
+        return (Edit(end, end, text),), f'rollout.name == "hf" -> rollout.name == "hf"{text}'
+
+
 class HfRolloutParamOffload(Patch):
     """verl 0.5.0's HF rollout never reloads offloaded actor parameters.
 
@@ -364,4 +510,6 @@ PATCHES: tuple[Patch, ...] = (
     FlashAttnImportGuard(),
     RewardModelDtype(),
     HfRolloutParamOffload(),
+    HfRolloutOneSequence(),
+    HfRolloutLoraWrap(),
 )

@@ -17,6 +17,7 @@ let
     head
     isAttrs
     isBool
+    isFloat
     isFunction
     isInt
     isList
@@ -217,6 +218,10 @@ let
     int = mkOptionType {
       name = "int";
       check = isInt;
+    };
+    number = mkOptionType {
+      name = "number";
+      check = v: isInt v || isFloat v;
     };
     bool = mkOptionType {
       name = "bool";
