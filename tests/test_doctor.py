@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from oldgpu import cli, detect, doctor, driver
-from oldgpu.doctor import checks_torch, common, known_errors
 from oldgpu.doctor import checks as doctor_checks
+from oldgpu.doctor import checks_torch, common, known_errors
 from oldgpu.doctor import facts as doctor_facts
 
 DATA = Path(__file__).parent / "data"

@@ -382,24 +382,24 @@ def _reboot_required(path: str) -> tuple[bool, list[str]]:
 
 
 def from_host(reboot_required_file: str = REBOOT_REQUIRED) -> Inputs:
-    """Ask this host."""
-    dpkg = _run(["dpkg-query", "-W", "-f", DPKG_FORMAT])
+    """Ask this host (a source it lacks is None: no dpkg-query, no dkms, no module loaded)."""
     inputs = Inputs(
-        dpkg=dpkg,
+        dpkg=_run(["dpkg-query", "-W", "-f", DPKG_FORMAT]),
         proc_version=_read_host(PROC_VERSION),
         proc_modules=_read_host(PROC_MODULES),
         dkms_status=_run(["dkms", "status"]),
         header_kernels=header_kernels(LIB_MODULES),
-        sources={
-            "dpkg": "dpkg-query" if dpkg is not None else None,
-            "proc_version": PROC_VERSION,
-            "proc_modules": PROC_MODULES,
-            "dkms_status": "dkms status",
-            "lib_modules": LIB_MODULES,
-        },
     )
-    inputs.sources["dkms_status"] = "dkms status" if inputs.dkms_status is not None else None
-    if not any(MODULE_PACKAGE_RE.match(line.split("\t")[0]) for line in (dpkg or "").splitlines()):
+    for attr, where in (
+        ("dpkg", "dpkg-query"),
+        ("proc_version", PROC_VERSION),
+        ("proc_modules", PROC_MODULES),
+        ("dkms_status", "dkms status"),
+    ):
+        inputs.sources[attr] = where if getattr(inputs, attr) is not None else None
+    inputs.sources["lib_modules"] = LIB_MODULES
+    packages = parse_dpkg(inputs.dpkg or "") or []
+    if not any(p["kind"] == "kernel-module" for p in packages if p["status"] not in ABSENT_STATES):
         # A driver from NVIDIA's .run installer has no package: ask the module itself.
         found = (_run(["modinfo", "-F", "version", "nvidia"]) or "").strip()
         inputs.modinfo_version = found if re.fullmatch(r"\d+(\.\d+)+", found) else None
