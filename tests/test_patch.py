@@ -17,6 +17,7 @@ from conftest import tree_hashes, tree_state
 from oldgpu import cli
 from oldgpu import patch as patcher
 from oldgpu.output import EngineError
+from oldgpu.patch import registry, transaction
 
 pytestmark = pytest.mark.slow
 
@@ -309,6 +310,45 @@ def test_unknown_version_is_refused(verl_tree: Path, capsys) -> None:
     assert "0.4.9" in err["message"] and "0.5.0" in err["message"]
 
 
+@pytest.fixture
+def extra_patch_sets(tmp_path: Path, monkeypatch):
+    """A second directory on the patch package's path, for modules a test adds."""
+    extra = tmp_path / "patch-sets"
+    extra.mkdir()
+    monkeypatch.setattr(patcher, "__path__", [*patcher.__path__, str(extra)])
+    registry.registry.cache_clear()
+    yield extra
+    registry.registry.cache_clear()
+    for name in [m for m in sys.modules if m.startswith("oldgpu.patch.verl_9")]:
+        del sys.modules[name]
+
+
+def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
+    assert registry.patch_set_modules() == [
+        "oldgpu.patch.verl_0_5_0",
+        "oldgpu.patch.verl_0_5_0_cpu",
+    ]
+    (extra_patch_sets / "verl_9_9_9.py").write_text(
+        "from oldgpu.patch.sitepatch import SitePatch\n\n\n"
+        "class Later(SitePatch):\n"
+        '    name = "later-fix"\n'
+        '    versions = frozenset({"9.9.9"})\n'
+        '    sites = (("verl/x.py", "<module>", 1),)\n\n\n'
+        "PATCHES = (Later(),)\n"
+    )
+    (extra_patch_sets / "notes_verl_9_9_9.py").write_text("raise SystemExit('not a patch set')\n")
+    assert patcher.supported_versions() == ["0.5.0", "9.9.9"]
+    (later,) = patcher.select_patches("9.9.9", patcher.Options())
+    assert (later.name, later.files) == ("later-fix", ("verl/x.py",))
+    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 5
+
+
+def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Path) -> None:
+    (extra_patch_sets / "verl_9_9_9_extra.py").write_text("PATCHES = ['not a patch']\n")
+    with pytest.raises(RuntimeError, match="verl_9_9_9_extra must export PATCHES"):
+        patcher.supported_versions()
+
+
 def test_version_changed_after_patching_is_refused(verl_tree: Path, capsys) -> None:
     run_cli(capsys, str(verl_tree))
     (verl_tree / "verl/version/version").write_text("0.4.9\n")
@@ -369,7 +409,7 @@ def test_failed_write_rolls_back(
 ) -> None:
     plan = patcher.plan_patch(verl_tree, patcher.Options())
     assert len([op for op in plan.ops if op.new is not None]) == 14  # 6 originals, manifest, 7
-    module = patcher.os if where == "replace" else patcher.tempfile
+    module = transaction.os if where == "replace" else transaction.tempfile
     real = getattr(module, where)
     calls = {"n": 0}
 

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "oldgpu.smoke",
     "oldgpu.data",
     "oldgpu.guard",
+    "oldgpu.topology",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's

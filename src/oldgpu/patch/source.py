@@ -146,7 +146,3 @@ def is_call_to(node: ast.AST | None, name: str, *args: str) -> bool:
         and not node.keywords
         and [dotted(a) for a in node.args] == list(args)
     )
-
-
-def is_constant(node: ast.AST | None, value: object) -> bool:
-    return isinstance(node, ast.Constant) and node.value == value

@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import ast
 
-from oldgpu.patch import (
-    COMPAT_ALIAS,
-    COMPAT_MODULE,
-    Change,
-    Options,
-    Patch,
-    Site,
-    SiteNotFound,
-    VerifyFailed,
-    compat_exports,
-)
+from oldgpu.patch.compat_module import COMPAT_ALIAS, COMPAT_MODULE, compat_exports
+from oldgpu.patch.options import Options
+from oldgpu.patch.sitepatch import Change, Patch, Site, SiteNotFound, SitePatch, VerifyFailed
 from oldgpu.patch.source import MODULE_SCOPE, Edit, SourceFile, dotted, is_call_to, keyword
 
 VERSIONS = frozenset({"0.5.0"})
@@ -30,60 +22,6 @@ HF_ROLLOUT = "verl/workers/rollout/hf_rollout.py"
 FSDP_WORKERS = "verl/workers/fsdp_workers.py"
 MODEL_UTILS = "verl/utils/model.py"
 ENGINE_IMPL = "verl/workers/engine/fsdp/engine_impl.py"
-
-
-class SitePatch(Patch):
-    """A patch made of like sites: ``(file, scope, count)`` with old and new shapes.
-
-    Subclasses say what the old shape is (``old_nodes``), how to rewrite one node
-    (``rewrite``) and what the new shape is (``new_nodes``). Planning requires exactly
-    ``count`` old nodes per scope; verifying requires none left and ``count`` new ones.
-    """
-
-    sites: tuple[tuple[str, str, int], ...] = ()
-    what: str = ""  # the old shape, for messages
-
-    def __init_subclass__(cls) -> None:
-        super().__init_subclass__()
-        if cls.sites:
-            cls.files = tuple(dict.fromkeys(rel for rel, _, _ in cls.sites))
-
-    def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
-        raise NotImplementedError
-
-    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
-        raise NotImplementedError
-
-    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
-        raise NotImplementedError
-
-    def _scopes(self, rel: str) -> list[tuple[str, int]]:
-        return [(scope, count) for file, scope, count in self.sites if file == rel]
-
-    def plan(self, src: SourceFile, options: Options) -> list[Change]:
-        changes = []
-        for scope, count in self._scopes(src.rel):
-            if not src.has_scope(scope):
-                raise SiteNotFound(f"no {scope} (looking for {self.what})")
-            nodes = sorted(self.old_nodes(src, scope), key=lambda n: (n.lineno, n.col_offset))
-            if len(nodes) != count:
-                raise SiteNotFound(
-                    f"{scope}: expected {count} {self.what}, found {len(nodes)}"
-                    + (" (site not found)" if not nodes else " (site ambiguous)")
-                )
-            for node in nodes:
-                edits, change = self.rewrite(src, node)
-                changes.append(Change(Site(src.rel, scope, node.lineno, change), edits))
-        return changes
-
-    def verify(self, src: SourceFile, options: Options, changes: list[Change]) -> None:
-        for scope, count in self._scopes(src.rel):
-            left = self.old_nodes(src, scope)
-            if left:
-                raise VerifyFailed(f"{scope}: {len(left)} {self.what} left after patching")
-            new = self.new_nodes(src, scope)
-            if len(new) != count:
-                raise VerifyFailed(f"{scope}: expected {count} patched sites, found {len(new)}")
 
 
 def _compat_call(node: ast.AST | None, function: str) -> bool:

@@ -1,0 +1,318 @@
+"""What the plan says: verl's Hydra overrides, the reason behind each, notes, the JSON
+document and its text rendering."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, replace
+from typing import Any
+
+from oldgpu.plan.inputs import Choice, Inputs
+from oldgpu.plan.memory import (
+    LOGITS_TRAIN_COPIES,
+    RESERVE_FACTOR,
+    PhaseEstimate,
+    estimate_phase,
+    param_offload_frees,
+    per_gpu_batch,
+    vllm_utilization,
+)
+from oldgpu.plan.search import (
+    LOG_PROB_MICRO_BATCHES,
+    MAX_TRAIN_BATCH,
+    MICRO_BATCHES,
+    Plan,
+    batch_candidates,
+    cap_mib,
+    offload_levels,
+)
+
+
+def _b(value: bool) -> str:
+    return "True" if value else "False"
+
+
+def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstimate]) -> list[str]:
+    """verl 0.5.0 keys, all present in its ppo_trainer config (no ``+``; a test composes them)."""
+    off, gc = choice.offload, _b(choice.gradient_checkpointing)
+    out = [
+        f"data.train_batch_size={choice.train_batch_size}",
+        f"data.max_prompt_length={inp.prompt_length}",
+        f"data.max_response_length={inp.response_length}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={choice.ppo_mini_batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={choice.actor_micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={choice.log_prob_micro}",
+    ]
+    if inp.ref:
+        out.append(
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={choice.log_prob_micro}"
+        )
+    out += [
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={gc}",
+        f"actor_rollout_ref.actor.fsdp_config.param_offload={_b(off.actor_param)}",
+        f"actor_rollout_ref.actor.fsdp_config.optimizer_offload={_b(off.actor_optimizer)}",
+    ]
+    if inp.ref:
+        out.append(f"actor_rollout_ref.ref.fsdp_config.param_offload={_b(off.ref_param)}")
+    if inp.critic:
+        out += [
+            f"critic.ppo_mini_batch_size={choice.ppo_mini_batch_size}",
+            f"critic.ppo_micro_batch_size_per_gpu={choice.critic_micro}",
+            f"critic.model.enable_gradient_checkpointing={gc}",
+            f"critic.model.fsdp_config.param_offload={_b(off.critic_param)}",
+            f"critic.model.fsdp_config.optimizer_offload={_b(off.critic_optimizer)}",
+        ]
+    if inp.rollout_n != 1:
+        out.append(f"actor_rollout_ref.rollout.n={inp.rollout_n}")
+    if inp.rollout == "vllm":  # never for the HF rollout: these settings are vLLM's
+        util = vllm_utilization(inp, phases["generate"])
+        out.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={util}")
+    if inp.device == "cuda":
+        out.append(f"trainer.n_gpus_per_node={inp.gpus}")
+    return out
+
+
+def _reasons(found: Plan) -> dict[str, str]:
+    """One line per choice with the numbers behind it, keyed by the override's key."""
+    inp, c, ph = found.inputs, found.choice, found.phases
+    cap = cap_mib(inp)
+
+    def peak(phase: str, **change: Any) -> float:
+        return estimate_phase(inp, replace(c, **change), phase).peak
+
+    def item(est: PhaseEstimate, moment: str, key: str) -> float:
+        return est.moments.get(moment, {}).get(key, 0.0)
+
+    gen = ph["generate"]
+    kv = item(gen, "decode", "kv_cache")
+    r: dict[str, str] = {}
+    batch_line = (
+        f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for "
+        f"{per_gpu_batch(inp, c.train_batch_size)} x {inp.seq} tokens per GPU)"
+    )
+    cands = batch_candidates(replace(inp, target_train_batch=None))
+    nxt = next((b for b in cands if b > c.train_batch_size), None)
+    if inp.target_train_batch:
+        r["data.train_batch_size"] = f"the --target-train-batch; {batch_line}"
+    elif nxt is None:
+        r["data.train_batch_size"] = f"the planner's ceiling ({MAX_TRAIN_BATCH}); {batch_line}"
+    else:
+        ok = [lv for lv, b in found.largest_batch.items() if b]
+        why = "no offload level fits it" if ok else "nothing larger fits"
+        r["data.train_batch_size"] = (
+            f"the largest that fits ({nxt}: {why}); {batch_line}; peak {found.peak:.0f} MiB "
+            f"in {found.peak_phase}"
+        )
+    r["data.max_prompt_length"] = f"the input, {inp.prompt_length} tokens"
+    r["data.max_response_length"] = f"the input, {inp.response_length} tokens"
+    steps = c.train_batch_size // c.ppo_mini_batch_size
+    r["actor_rollout_ref.actor.ppo_mini_batch_size"] = (
+        f"{c.train_batch_size} / {c.ppo_mini_batch_size} = {steps} optimizer step(s) per PPO "
+        f"step (aim {inp.ppo_mini_batches}); a multiple of micro {c.actor_micro} x "
+        f"{inp.gpus} GPU(s)"
+    )
+    upd = ph["actor_update"]
+    bigger = next((m for m in reversed(MICRO_BATCHES) if m > c.actor_micro), None)
+    share = c.train_batch_size // inp.gpus
+    more = ""
+    if bigger and share % bigger == 0:
+        more = f"; {bigger} would need {peak('actor_update', actor_micro=bigger):.0f} MiB"
+    r["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] = (
+        f"the largest that fits: actor_update {upd.peak:.0f} MiB at its {upd.peak_moment} "
+        f"(backward: activations {item(upd, 'backward', 'activations'):.0f}, logits "
+        f"{item(upd, 'backward', 'logits'):.0f} = {LOGITS_TRAIN_COPIES:g} x {c.actor_micro} x "
+        f"{inp.seq} x {inp.shape.vocab_size} x {inp.precision.compute} B){more}"
+    )
+    alp = ph["actor_log_prob"]
+    bigger_lp = next((m for m in reversed(LOG_PROB_MICRO_BATCHES) if m > c.log_prob_micro), None)
+    more_lp = ""
+    if bigger_lp and bigger_lp <= per_gpu_batch(inp, c.train_batch_size):
+        more_lp = f"; {bigger_lp} would need {peak('actor_log_prob', log_prob_micro=bigger_lp):.0f}"
+    r["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] = (
+        f"the largest that fits (no gradients, so at least the train micro where it fits): "
+        f"actor_log_prob {alp.peak:.0f} MiB (logits with entropy "
+        f"{item(alp, 'logits', 'logits'):.0f}){more_lp}"
+    )
+    if inp.ref:
+        rlp = ph["ref_log_prob"]
+        r["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = (
+            f"as the rollout's: ref_log_prob {rlp.peak:.0f} MiB (logits "
+            f"{item(rlp, 'logits', 'logits'):.0f}, ref weights {rlp.resident['ref_weights']:.0f})"
+        )
+    gc_off = estimate_phase(inp, replace(c, gradient_checkpointing=False), "actor_update")
+    r["actor_rollout_ref.model.enable_gradient_checkpointing"] = (
+        f"on: actor_update activations {item(upd, 'backward', 'activations'):.0f} MiB, "
+        f"{item(gc_off, 'backward', 'activations'):.0f} without ({gc_off.peak:.0f} MiB peak); "
+        f"recompute is cheap next to generation"
+    )
+    lvl = [name for name, _ in offload_levels(inp)]
+    idx = lvl.index(c.offload_level)
+    off_line = f"offload '{c.offload_level}' (level {idx} of {len(lvl) - 1})"
+    if idx == 0:
+        off_line += ": none needed"
+    else:
+        less = found.largest_batch.get(lvl[idx - 1])
+        off_line += (
+            f": with '{lvl[idx - 1]}' the largest batch is {less}"
+            if less
+            else f": with '{lvl[idx - 1]}' nothing fits"
+        )
+    for key in (
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+        "critic.model.fsdp_config.param_offload",
+        "critic.model.fsdp_config.optimizer_offload",
+    ):
+        r[key] = off_line
+    if not param_offload_frees(inp) and inp.device == "cuda":
+        note = (
+            "; on one GPU param offload frees nothing in verl 0.5.0 (FSDP NO_SHARD keeps the "
+            "module's views of the weights) and a reload holds the weights twice"
+        )
+        if c.offload.actor_param:
+            note += ", but a reloaded actor skips the double flat gradient of its backward's end"
+        r["actor_rollout_ref.actor.fsdp_config.param_offload"] += note
+        r["critic.model.fsdp_config.param_offload"] += note.split(", but")[0]
+    if c.offload.actor_param and inp.rollout == "hf":
+        r["actor_rollout_ref.actor.fsdp_config.param_offload"] += (
+            "; needs oldgpu patch's hf-rollout-param-offload"
+        )
+    if inp.ref:
+        r["actor_rollout_ref.ref.fsdp_config.param_offload"] = (
+            "follows the actor's: verl 0.5.0 wraps the ref with FSDP CPUOffload itself and the "
+            "colocated worker reads the actor's flags"
+        )
+    if inp.critic:
+        r["critic.ppo_mini_batch_size"] = "the actor's (verl's default follows it)"
+        cu = ph["critic_update"]
+        r["critic.ppo_micro_batch_size_per_gpu"] = (
+            f"the largest that fits, at most the actor's so the sizes divide: critic_update "
+            f"{cu.peak:.0f} MiB at its {cu.peak_moment} (a value head: no vocab logits); "
+            f"critic values use it too"
+        )
+        r["critic.model.enable_gradient_checkpointing"] = "as the actor's"
+    r["actor_rollout_ref.rollout.n"] = f"the input: {inp.rollout_n} responses per prompt"
+    if inp.rollout == "vllm":
+        r["actor_rollout_ref.rollout.gpu_memory_utilization"] = (
+            "vLLM's share of the GPU: its weights, KV cache and workspace in generate"
+        )
+    r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
+    return r
+
+
+def _notes(found: Plan) -> list[str]:
+    inp = found.inputs
+    notes = [
+        "estimates are peak reserved memory as a GPU without memory pressure shows it "
+        f"(reserved = {RESERVE_FACTOR[inp.device]} x allocated) plus the context; under "
+        "pressure the allocator frees its cached blocks before failing, so runs near the "
+        "cap usually need less than estimated",
+    ]
+    if inp.ref:
+        notes.append(
+            "verl builds the ref only with actor_rollout_ref.actor.use_kl_loss=True or "
+            "algorithm.use_kl_in_reward=True; without either, plan with --no-ref"
+        )
+    if inp.critic:
+        notes.append("verl uses the critic only with algorithm.adv_estimator=gae (its default)")
+    else:
+        notes.append("no critic: set an estimator without one (e.g. algorithm.adv_estimator=grpo)")
+    limit = inp.shape.max_position_embeddings
+    if limit and inp.seq > limit:
+        notes.append(f"prompt + response ({inp.seq}) exceeds the model's {limit} positions")
+    if inp.rollout == "vllm":
+        notes.append("vLLM's share is modelled, not measured (the measurements are HF rollout)")
+    if inp.device == "cuda" and inp.gpus > 1:
+        notes.append(
+            "several GPUs: sharding and offload follow FSDP's design; only one GPU was measured"
+        )
+    return notes
+
+
+def payload(found: Plan) -> dict[str, Any]:
+    inp, c = found.inputs, found.choice
+    s = inp.shape
+    overrides = hydra_overrides(inp, c, found.phases)
+    reasons = _reasons(found)
+    return {
+        "inputs": {
+            "memory_mib": inp.memory_mib,
+            "memory_source": "host" if inp.device == "cpu" else "gpu",
+            "gpus": inp.gpus,
+            "model": inp.model_name,
+            "prompt_length": inp.prompt_length,
+            "response_length": inp.response_length,
+            "profile": inp.profile_name,
+            "compute_dtype": inp.compute_dtype,
+            "rollout": inp.rollout,
+            "device": inp.device,
+            "critic": inp.critic,
+            "ref": inp.ref,
+            "rollout_n": inp.rollout_n,
+            "headroom_mib": inp.headroom_mib,
+            "target_train_batch": inp.target_train_batch,
+            "max_offload": inp.max_offload,
+            "ppo_mini_batches": inp.ppo_mini_batches,
+        },
+        "model": {
+            "name": inp.model_name,
+            "params": s.params(),
+            "critic_params": s.critic_params(),
+            **{k: v for k, v in asdict(s).items() if k != "head_dim"},
+            "head_dim": s.dim,
+            "bytes_per_trained_param": inp.precision.master
+            + inp.precision.grad
+            + inp.precision.adam,
+        },
+        "choice": {
+            "train_batch_size": c.train_batch_size,
+            "ppo_mini_batch_size": c.ppo_mini_batch_size,
+            "micro_batches": {
+                "actor": c.actor_micro,
+                "critic": c.critic_micro if inp.critic else None,
+                "rollout_log_prob": c.log_prob_micro,
+                "ref_log_prob": c.log_prob_micro if inp.ref else None,
+            },
+            "gradient_checkpointing": {
+                "actor": c.gradient_checkpointing,
+                "critic": c.gradient_checkpointing if inp.critic else None,
+            },
+            "offload": {
+                "level": c.offload_level,
+                "actor_param": c.offload.actor_param,
+                "actor_optimizer": c.offload.actor_optimizer,
+                "ref_param": c.offload.ref_param if inp.ref else None,
+                "critic_param": c.offload.critic_param if inp.critic else None,
+                "critic_optimizer": c.offload.critic_optimizer if inp.critic else None,
+            },
+        },
+        "estimate": {
+            "peak_mib": round(found.peak),
+            "cap_mib": cap_mib(inp),
+            "memory_mib": inp.memory_mib,
+            "peak_phase": found.peak_phase,
+            "per_phase": {k: v.as_dict() for k, v in found.phases.items()},
+        },
+        "hydra_overrides": overrides,
+        "reasons": [f"{o}: {reasons.get(o.split('=', 1)[0], '')}" for o in overrides],
+        "notes": _notes(found),
+    }
+
+
+def text(doc: Mapping[str, Any]) -> str:
+    i, m, e = doc["inputs"], doc["model"], doc["estimate"]
+    lines = [
+        f"plan: {i['model'] or 'model'} ({m['params'] / 1e6:.1f}M params, {i['compute_dtype']}) "
+        f"on {i['gpus']} x {i['memory_mib']} MiB ({i['profile']}, {i['rollout']} rollout), "
+        f"prompt {i['prompt_length']} + response {i['response_length']}",
+        f"peak {e['peak_mib']} MiB in {e['peak_phase']}, cap {e['cap_mib']} MiB",
+        "phases (MiB): " + ", ".join(f"{k} {v['peak_mib']}" for k, v in e["per_phase"].items()),
+        "hydra overrides:",
+    ]
+    for line in doc["reasons"]:
+        override, _, why = line.partition(": ")
+        lines.append(f"  {override}")
+        if why:
+            lines.append(f"      # {why}")
+    lines += [f"note: {n}" for n in doc["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,374 @@
+"""The memory model: each phase's peak per GPU, in MiB (docs/planner.md has it with the
+measurements).
+
+verl's colocated layout: one process per GPU holds the actor (and the HF
+rollout, which generates with the actor's own weights), the ref and the
+critic, and runs one phase at a time: generate, actor log-prob, ref log-prob,
+critic values, critic update, actor update. The peak is the largest phase;
+each phase counts
+
+* resident state (bytes per parameter from the dtype, ``Precision``): FSDP
+  shards weights, the gradient and Adam's two moments over the GPUs
+  (``/ gpus``). Optimizer offload moves a role's Adam moments to the host
+  between its updates. Param offload frees nothing on ONE GPU in verl 0.5.0:
+  FSDP1 switches to NO_SHARD there and the module keeps views of the GPU
+  weights, so verl's ``offload_fsdp_model_to_cpu`` copies them out without
+  freeing them; for the same reason the ref, which verl wraps with FSDP
+  CPUOffload, stays on the GPU (both measured: see the calibration). On
+  several GPUs the shards do leave (not measured yet).
+* unsharded copies: with the HF rollout verl wraps the actor as ONE FSDP
+  unit, so on several GPUs (or with a bf16 compute copy) the whole model is
+  unsharded for generate, log-prob and update; the critic is wrapped per layer
+  (root unit: the embeddings).
+* transient tensors, as "moments" of a phase that do not coexist (the phase
+  needs the largest):
+  - generate (HF ``generate`` over the whole per-GPU rollout batch at once):
+    the prefill (live layer activations, the prompt's KV cache) or the end
+    of decoding (KV cache ``2 * layers * kv_heads * head_dim * bytes * batch *
+    (prompt + response)``, sampling logits);
+  - log-prob (no grad, one micro batch): the trunk's live activations, or the
+    logits ``micro * seq * vocab * bytes`` plus copies over the response
+    (entropy's softmax and product; the ref: one row's logsumexp);
+  - update (one micro batch): the backward's start (saved activations
+    ``ACT_H * hidden + ACT_I * intermediate`` per token per layer, or under
+    gradient checkpointing the layer inputs plus one recomputed layer; the
+    actor's ``LOGITS_TRAIN_COPIES`` logits; the embedding's dense gradient),
+    or the optimizer step (foreach AdamW's ``sqrt(exp_avg_sq)``, one
+    parameter-sized temporary).
+* the caching allocator: reserved = ``RESERVE_FACTOR`` x allocated (freed
+  blocks of other sizes, optimizer state moved in and out), plus
+  ``CUDA_CONTEXT_MIB`` outside torch.
+
+Calibration (tests/test_plan.py): the lent GPU's two measured verl runs,
+12.95 / 17.75 GiB (batch 1, micro 1, offload on) and 22.35 / 33.65 GiB
+(batch 16, micro 4, no offload, gradient checkpointing off) allocated /
+reserved, and per-operation figures from a replication of verl's memory path
+(real FSDP1, verl's offload functions, HF generate; H200, fp32) that
+reproduces both runs' allocated peaks to 0.1%.
+
+A new memory term goes into ``estimate_phase`` (resident state, a moment of a phase, or
+the common rollout tensors), with its constant and the measurement behind it below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from oldgpu.plan.inputs import Choice, Inputs
+from oldgpu.plan.model import ModelShape
+
+MIB = 1024 * 1024
+
+# -- the calibrated constants: one place, tunable -----------------------------------------
+# The GPU-proof issue adjusts these to measured peaks; docs/planner.md gives the
+# measurement behind each ("measured" = the H200 replication of verl's memory path).
+
+# Outside torch's allocator: the CUDA context with cuBLAS/cuDNN handles; on the cpu
+# device, Python, torch, Ray and verl in the worker process (a guess).
+CUDA_CONTEXT_MIB = 500
+HOST_PROCESS_MIB = 1024
+# Reserved / allocated at the peak. Fitted to the two measured verl runs (17.75/12.95 =
+# 1.37, 33.65/22.35 = 1.51); the replication gave 1.47 and 1.52. The cpu figure is a guess.
+RESERVE_FACTOR = {"cuda": 1.44, "cpu": 1.2}
+# verl 0.5.0 on one GPU: FSDP1 NO_SHARD keeps the module's views of the GPU weights, so
+# param offload frees nothing and the CPUOffload-wrapped ref stays on the GPU (measured:
+# offloading left the 3 models' 5654 MiB allocated); see RELOAD_COPIES for what it adds.
+PARAM_OFFLOAD_FREES_ON_ONE_GPU = False
+# Saved activations of one decoder layer per token, in elements: ACT_H * hidden +
+# ACT_I * intermediate (RMSNorm in/out 2h, q and the repeated k/v and the attention
+# output 4h, o_proj input h, post-norm 2h; MLP gate, act, up, product 4i). Measured:
+# 1318 MiB per 512-token sequence of Qwen2.5-0.5B without checkpointing (formula 1318).
+ACT_H = 9
+ACT_I = 4
+# Outside the layers, per token: embedding output, final norm in/out.
+ACT_OUTSIDE_H = 3
+# Under gradient checkpointing each layer keeps its input (GC_H * hidden per token),
+# and the layer being recomputed holds the full set above.
+GC_H = 1
+# Gradients flowing through a layer in the backward, per token.
+BACKWARD_H = 2
+BACKWARD_I = 2
+# Live in one no-grad layer forward, per token (residual, norm, q, repeated k/v, out;
+# MLP act, up, product). Measured: prefill 18 MiB per 256-token prompt, formula 17.75.
+INFER_H = 5
+INFER_I = 3
+# Logits (micro x seq x vocab) alive in the actor's backward: the lm_head output, the
+# response slice's gradient scattered back to full length, the temperature division's.
+# Measured 2.0 without and 3.0 with gradient checkpointing under FSDP: 3.
+LOGITS_TRAIN_COPIES = 3.0
+# Log-prob phases: the full logits plus copies over the response (actor: entropy's
+# softmax and its product; ref: one row's logsumexp). Measured exactly: 594 and 445 MiB
+# for one 256 + 256 sequence.
+LOGITS_ENTROPY_RESPONSE_COPIES = 2.0
+# The embedding's (and a tied lm_head's) dense gradient before it is accumulated:
+# vocab x hidden x bytes in each update (measured about 520 MiB in the critic's).
+EMBEDDING_GRAD_COPIES = 1.0
+# On one GPU, loading offloaded weights back (verl's load_fsdp_model_to_gpu, and FSDP
+# CPUOffload before the ref's forward) makes a new GPU copy while the module's views still
+# hold the old one, until the first forward rebinds them: a weights-sized moment at the
+# start of the role's phase (measured: +1885 MiB at every reload of 494M fp32 weights).
+RELOAD_COPIES = 1.0
+# Sampling in HF generate, per decoding step: batch x vocab logits, their fp32 copy,
+# the softmax probabilities.
+SAMPLING_LOGITS_COPIES = 3.0
+# torch's foreach AdamW allocates sqrt(exp_avg_sq) for all parameters at once
+# (measured 1886 MiB for 494M fp32 parameters).
+ADAM_STEP_TEMP_COPIES = 1.0
+# The actor is ONE FSDP unit with the HF rollout: at the end of its backward the whole
+# flat gradient exists twice beyond .grad (the incoming gradient and its accumulation;
+# on several GPUs the unsharded gradient before the reduce-scatter). Measured on one GPU:
+# +2 x weights beyond weights, Adam and .grad at micro 1, 2 and 4, except right after a
+# param-offload reload (a fresh flat parameter), where only the Adam step's copy shows.
+ACTOR_GRAD_END_COPIES = 2.0
+# Rollout tensors kept on the GPU per sequence: int64 ids/mask/positions over the
+# sequence and responses; fp32 log-probs, values, advantages, returns, rewards.
+DATA_INT64_SEQ = 3
+DATA_INT64_RESP = 2
+DATA_FP32_RESP = 8
+# vLLM (Ampere and newer profiles only, not measured): its own weights copy and a
+# workspace beside the KV cache, inside gpu_memory_utilization * memory.
+VLLM_WORKSPACE_MIB = 1024
+VLLM_MAX_UTILIZATION = 0.9
+
+PHASES = (
+    "generate",
+    "actor_log_prob",
+    "ref_log_prob",
+    "critic_values",
+    "critic_update",
+    "actor_update",
+)
+
+
+def _mib(n_bytes: float) -> float:
+    return n_bytes / MIB
+
+
+@dataclass
+class PhaseEstimate:
+    """One phase's memory in MiB: what stays, what comes and goes, what the allocator adds.
+
+    ``moments`` are sets of transient tensors that do not coexist (the prefill and the
+    end of decoding; the backward and the optimizer step): the phase needs the largest,
+    on top of ``common`` (the rollout tensors) and ``resident``.
+    """
+
+    resident: dict[str, float]  # weights, gradients, optimizer state
+    moments: dict[str, dict[str, float]]
+    common: dict[str, float] = field(default_factory=dict)
+    context: float = 0.0
+    reserve_factor: float = 1.0
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=lambda k: sum(self.moments[k].values()), default="")
+
+    @property
+    def transient(self) -> dict[str, float]:
+        """The tensors of the largest moment, with the common ones."""
+        return {**self.common, **self.moments.get(self.peak_moment, {})}
+
+    @property
+    def allocated(self) -> float:
+        return sum(self.resident.values()) + sum(self.transient.values())
+
+    @property
+    def reserved(self) -> float:
+        return self.reserve_factor * self.allocated
+
+    @property
+    def peak(self) -> float:
+        return self.reserved + self.context
+
+    def as_dict(self) -> dict[str, Any]:
+        def r(d: Mapping[str, float]) -> dict[str, float]:
+            return {k: round(v, 1) for k, v in d.items() if v}
+
+        return {
+            "peak_mib": round(self.peak),
+            "allocated_mib": round(self.allocated),
+            "reserved_mib": round(self.reserved),
+            "peak_moment": self.peak_moment,
+            "breakdown": {
+                "resident": r(self.resident),
+                "transient": r(self.transient),
+                "other_moments": {
+                    k: r(v) for k, v in self.moments.items() if k != self.peak_moment
+                },
+                "allocator_reserve": round(self.reserved - self.allocated, 1),
+                "context": self.context,
+            },
+        }
+
+
+_ABSENT = PhaseEstimate({}, {})
+
+
+def _layer_train_elems(s: ModelShape, checkpointing: bool) -> float:
+    """Elements per token held for the backward, all layers."""
+    layer = ACT_H * s.hidden_size + ACT_I * s.intermediate_size
+    backward = BACKWARD_H * s.hidden_size + BACKWARD_I * s.intermediate_size
+    outside = ACT_OUTSIDE_H * s.hidden_size
+    if checkpointing:
+        return s.num_hidden_layers * GC_H * s.hidden_size + layer + backward + outside
+    return s.num_hidden_layers * layer + backward + outside
+
+
+def _infer_elems(s: ModelShape) -> float:
+    return INFER_H * s.hidden_size + INFER_I * s.intermediate_size
+
+
+def per_gpu_batch(inp: Inputs, train_batch: int) -> int:
+    """Sequences each GPU generates and scores: train_batch_size x rollout.n / gpus."""
+    return max(1, math.ceil(train_batch * inp.rollout_n / inp.gpus))
+
+
+def param_offload_frees(inp: Inputs) -> bool:
+    return inp.device == "cuda" and (inp.gpus > 1 or PARAM_OFFLOAD_FREES_ON_ONE_GPU)
+
+
+def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
+    """Memory of one phase of one PPO step, per GPU, in MiB."""
+    if (phase.startswith("critic") and not inp.critic) or (phase == "ref_log_prob" and not inp.ref):
+        return _ABSENT  # the role is absent
+    s, p, n = inp.shape, inp.precision, inp.gpus
+    off = choice.offload
+    cuda = inp.device == "cuda"
+    frees = param_offload_frees(inp)
+    pa, pc = s.params(), s.critic_params()
+    seq, resp, vocab, cb = inp.seq, inp.response_length, s.vocab_size, p.compute
+    embed = s.embedding_params()
+    batch = per_gpu_batch(inp, choice.train_batch_size)
+    lp_micro = min(choice.log_prob_micro, batch)
+    a_micro = min(choice.actor_micro, batch)
+    c_micro = min(choice.critic_micro, batch)
+    mixed = p.compute != p.master
+    actor_phase = phase in ("generate", "actor_log_prob", "actor_update")
+    critic_phase = phase in ("critic_values", "critic_update")
+
+    res: dict[str, float] = {}
+    if actor_phase or not (off.actor_param and frees):
+        res["actor_weights"] = _mib(pa * p.master / n)
+    if phase == "actor_update" or not (off.actor_optimizer and cuda):
+        res["actor_adam"] = _mib(pa * p.adam / n)
+    if inp.critic:
+        if critic_phase or not (off.critic_param and frees):
+            res["critic_weights"] = _mib(pc * p.master / n)
+        if phase == "critic_update" or not (off.critic_optimizer and cuda):
+            res["critic_adam"] = _mib(pc * p.adam / n)
+    if inp.ref and (phase == "ref_log_prob" or n == 1 or not cuda):
+        # FSDP CPUOffload: the whole ref (one unit with the HF rollout) comes to the GPU
+        # for its forward; on one GPU it never leaves (NO_SHARD views).
+        res["ref_weights"] = _mib(pa * p.ref)
+    if actor_phase and (n > 1 or mixed):
+        unshard = p.master if phase == "generate" else p.compute  # summon_full_params
+        res["actor_unsharded_weights"] = _mib(pa * unshard)
+    if critic_phase and (n > 1 or mixed):
+        res["critic_unsharded_units"] = _mib((embed + 2 * s.layer_params()) * cb)
+    if phase == "actor_update":
+        res["actor_grads"] = _mib(pa * p.grad / n)
+    if phase == "critic_update":
+        res["critic_grads"] = _mib(pc * p.grad / n)
+
+    data_seq = 8 * (DATA_INT64_SEQ * seq + DATA_INT64_RESP * resp) + 4 * DATA_FP32_RESP * resp
+    common = {"rollout_data": _mib(batch * data_seq)}
+    moments: dict[str, dict[str, float]] = {}
+    if phase == "generate":
+        if inp.rollout == "vllm":
+            moments["decode"] = _vllm_generate(inp, batch)
+        else:
+            layers, kvdim = s.num_hidden_layers, s.num_key_value_heads * s.dim
+            kv_token = 2 * layers * kvdim * cb
+            prompt = inp.prompt_length
+            moments["prefill"] = {
+                "kv_cache": _mib(kv_token * batch * prompt),
+                "prefill_activations": _mib(
+                    batch * prompt * _infer_elems(s) * cb + batch * prompt**2 * cb
+                ),
+            }
+            moments["decode"] = {
+                # DynamicCache concatenates a layer at a time: one layer's cache doubles
+                "kv_cache": _mib(kv_token * batch * seq * (1 + 1 / layers)),
+                "sampling_logits": _mib(SAMPLING_LOGITS_COPIES * batch * vocab * 4),
+            }
+    elif phase in ("actor_log_prob", "ref_log_prob", "critic_values"):
+        micro = c_micro if phase == "critic_values" else lp_micro
+        tokens = micro * seq
+        moments["trunk"] = {
+            "activations": _mib(tokens * _infer_elems(s) * cb + micro * seq * seq * cb)
+        }
+        if phase != "critic_values":
+            full = tokens * vocab * cb
+            if phase == "actor_log_prob":
+                extra = LOGITS_ENTROPY_RESPONSE_COPIES * micro * resp * vocab * cb
+            else:
+                extra = resp * vocab * cb
+            moments["logits"] = {
+                "logits": _mib(full + extra),
+                "hidden_states": _mib(tokens * s.hidden_size * cb),
+            }
+    else:
+        micro, params = (a_micro, pa) if phase == "actor_update" else (c_micro, pc)
+        tokens = micro * seq
+        back = {
+            "activations": _mib(
+                tokens * _layer_train_elems(s, choice.gradient_checkpointing) * cb
+                + micro * seq * seq * cb  # the 4D attention mask sdpa keeps
+            ),
+            "embedding_grad": _mib(EMBEDDING_GRAD_COPIES * embed * cb),
+        }
+        if phase == "actor_update":
+            back["logits"] = _mib(LOGITS_TRAIN_COPIES * tokens * vocab * cb)
+        moments["backward"] = back
+        moments["optimizer_step"] = {
+            "adam_sqrt_temp": _mib(ADAM_STEP_TEMP_COPIES * params * p.master / n)
+        }
+        reloaded = off.actor_param and cuda and not frees
+        if phase == "actor_update" and not reloaded:
+            moments["backward_end"] = {
+                "flat_gradient_copies": _mib(ACTOR_GRAD_END_COPIES * pa * (cb if n > 1 else p.grad))
+            }
+    if cuda and not frees:
+        # one GPU: reloading makes a second copy until the first forward (see RELOAD_COPIES)
+        reload = 0.0
+        if actor_phase and off.actor_param:
+            reload = pa * p.master
+        elif critic_phase and inp.critic and off.critic_param:
+            reload = pc * p.master
+        elif phase == "ref_log_prob":
+            reload = pa * p.ref
+        if reload:
+            moments["reload"] = {"reloaded_weights_copy": _mib(RELOAD_COPIES * reload)}
+    context = CUDA_CONTEXT_MIB if cuda else HOST_PROCESS_MIB
+    return PhaseEstimate(res, moments, common, context, RESERVE_FACTOR[inp.device])
+
+
+def _vllm_generate(inp: Inputs, batch: int) -> dict[str, float]:
+    """vLLM holds gpu_memory_utilization * memory: its weights, KV cache and workspace."""
+    s, cb = inp.shape, inp.precision.compute
+    kv = 2 * s.num_hidden_layers * s.num_key_value_heads * s.dim * cb * batch * inp.seq
+    return {
+        "vllm_weights": _mib(s.params() * cb),
+        "kv_cache": _mib(kv),
+        "vllm_workspace": float(VLLM_WORKSPACE_MIB),
+    }
+
+
+def estimate(inp: Inputs, choice: Choice) -> dict[str, PhaseEstimate]:
+    out = {}
+    for phase in PHASES:
+        if phase.startswith("critic") and not inp.critic:
+            continue
+        if phase == "ref_log_prob" and not inp.ref:
+            continue
+        out[phase] = estimate_phase(inp, choice, phase)
+    return out
+
+
+def vllm_utilization(inp: Inputs, phase: PhaseEstimate) -> float:
+    """The gpu_memory_utilization that gives vLLM its share of the generate phase."""
+    pool = sum(phase.moments.get("decode", {}).values()) * phase.reserve_factor
+    return min(VLLM_MAX_UTILIZATION, math.ceil(100 * pool / inp.memory_mib) / 100)
