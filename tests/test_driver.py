@@ -55,12 +55,34 @@ def recorded(run_cli, *args: str, **files: str) -> dict[str, Any]:
 # -- DKMS per kernel ---------------------------------------------------------------------
 
 
-def test_three_kernels_one_installed_one_only_built_one_failed(run_cli, tmp_path):
-    kernels = ("6.1.0-28-amd64", "6.1.0-29-amd64", "6.1.0-30-amd64")
+def test_the_molecule_nvidia_host(run_cli, tmp_path):
+    # What molecule/nvidia's Debian 12 container said (its dkms status line, printed by
+    # test_nvidia.py): the module is built for the one kernel with headers, so the role
+    # builds nothing, and the reboot that would load it is pending (nothing is loaded).
     r = recorded(
         run_cli,
         "--lib-modules-dir",
-        lib_modules(tmp_path, *kernels, without_headers=("6.1.0-27-amd64",)),
+        lib_modules(tmp_path, "6.1.0-57-amd64"),
+        **{
+            "dkms-status-file": "dkms-status.debian12-molecule.txt",
+            "dpkg-file": "dpkg.debian12-535.txt",
+        },
+    )
+    assert r["dkms"]["built_for"] == ["6.1.0-57-amd64"] and r["dkms"]["missing"] == []
+    assert (r["installed"]["version"], r["loaded"]["version"]) == ("535.309.01", None)
+    assert r["reboot"]["driver"] is True
+    # The cuda role's line in that run's log, word for word.
+    assert r["cuda"]["message"] == (
+        "driver 535.309.01 (installed libcuda package) meets CUDA 11.8's minimum 520.61.05"
+    )
+
+
+def test_three_kernels_one_installed_one_only_built_one_failed(run_cli, tmp_path):
+    kernels = ("6.1.0-57-amd64", "6.1.0-58-amd64", "6.1.0-59-amd64")
+    r = recorded(
+        run_cli,
+        "--lib-modules-dir",
+        lib_modules(tmp_path, *kernels, without_headers=("6.1.0-56-amd64",)),
         **{
             "dkms-status-file": "dkms-status.debian12-three-kernels.txt",
             "dpkg-file": "dpkg.debian12-535.txt",
@@ -70,26 +92,26 @@ def test_three_kernels_one_installed_one_only_built_one_failed(run_cli, tmp_path
     inst = r["installed"]
     assert (inst["module_package"], inst["version"], inst["branch"], inst["flavour"]) == (
         "nvidia-kernel-dkms",
-        "535.216.01",
+        "535.309.01",
         535,
         "proprietary",
     )
     # The purged-but-configured 470 module package is not installed.
-    assert inst["branches"] == [535] and inst["libcuda_version"] == "535.216.01"
+    assert inst["branches"] == [535] and inst["libcuda_version"] == "535.309.01"
     dkms = r["dkms"]
     assert [(k["kernel"], k["headers"], k["state"]) for k in dkms["kernels"]] == [
-        ("6.1.0-28-amd64", True, "installed"),
-        ("6.1.0-29-amd64", True, "built"),  # built, never installed
-        ("6.1.0-30-amd64", True, "missing"),  # its build failed: dkms lists nothing
+        ("6.1.0-57-amd64", True, "installed"),
+        ("6.1.0-58-amd64", True, "built"),  # built, never installed
+        ("6.1.0-59-amd64", True, "missing"),  # its build failed: dkms lists nothing
     ]
-    assert dkms["built_for"] == ["6.1.0-28-amd64"]
-    assert dkms["missing"] == ["6.1.0-29-amd64", "6.1.0-30-amd64"]
+    assert dkms["built_for"] == ["6.1.0-57-amd64"]
+    assert dkms["missing"] == ["6.1.0-58-amd64", "6.1.0-59-amd64"]
     assert r["loaded"] == {"version": None, "module": False, "modules": [], "nouveau": False}
     assert r["reboot"]["needed"] is r["reboot"]["driver"] is True
-    assert r["reboot"]["reasons"] == ["nvidia 535.216.01 is installed, no NVIDIA module is loaded"]
+    assert r["reboot"]["reasons"] == ["nvidia 535.309.01 is installed, no NVIDIA module is loaded"]
     assert r["cuda"]["fit"] == "ok"
     assert r["cuda"]["message"] == (
-        f"driver 535.216.01 (installed libcuda package) meets CUDA 11.8's minimum {MIN_DRIVER}"
+        f"driver 535.309.01 (installed libcuda package) meets CUDA 11.8's minimum {MIN_DRIVER}"
     )
 
 
@@ -97,16 +119,16 @@ def test_a_build_that_failed_for_every_kernel(run_cli, tmp_path):
     r = recorded(
         run_cli,
         "--lib-modules-dir",
-        lib_modules(tmp_path, "6.1.0-28-amd64"),
+        lib_modules(tmp_path, "6.1.0-57-amd64"),
         **{
             "dkms-status-file": "dkms-status.debian12-build-failed.txt",
             "dpkg-file": "dpkg.debian12-535.txt",
         },
     )
     assert r["dkms"]["unbuilt"] == [
-        {"module": "nvidia-current", "version": "535.216.01", "state": "added"}
+        {"module": "nvidia-current", "version": "535.309.01", "state": "added"}
     ]
-    assert r["dkms"]["missing"] == ["6.1.0-28-amd64"] and r["dkms"]["built_for"] == []
+    assert r["dkms"]["missing"] == ["6.1.0-57-amd64"] and r["dkms"]["built_for"] == []
 
 
 def test_dkms_status_lines_of_both_dkms_versions():
@@ -159,12 +181,12 @@ def test_ubuntu_server_open_modules(run_cli):
 def test_two_branches_installed_are_both_named(run_cli):
     inst = recorded(run_cli, **{"dpkg-file": "dpkg.two-branches.txt"})["installed"]
     assert inst["branches"] == [470, 535]
-    assert inst["version"] == "535.216.01" and inst["module_package"] == "nvidia-kernel-dkms"
+    assert inst["version"] == "535.309.01" and inst["module_package"] == "nvidia-kernel-dkms"
 
 
 @pytest.mark.parametrize(
     ("name", "version"),
-    [("535", "535.216.01"), ("580-open", "580.65.06"), ("470", "470.256.02")],
+    [("535", "535.309.01"), ("580-open", "580.65.06"), ("470", "470.256.02")],
 )
 def test_loaded_version_from_proc(name, version):
     assert driver.parse_proc_version((DATA / f"proc-version.{name}.txt").read_text()) == version
@@ -180,7 +202,7 @@ def test_loaded_module_matches_the_installed_one(run_cli):
         },
     )
     assert r["loaded"] == {
-        "version": "535.216.01",
+        "version": "535.309.01",
         "module": True,
         "modules": ["nvidia_uvm", "nvidia_drm", "nvidia_modeset", "nvidia"],
         "nouveau": False,
@@ -204,7 +226,7 @@ def test_an_older_module_loaded_needs_a_reboot(run_cli):
         },
     )
     assert r["reboot"]["driver"] is True
-    assert r["reboot"]["reasons"] == ["nvidia 470.256.02 is loaded, 535.216.01 installed"]
+    assert r["reboot"]["reasons"] == ["nvidia 470.256.02 is loaded, 535.309.01 installed"]
     # The fit is the loaded driver's: 470 runs CUDA 11.8 only through minor-version compatibility.
     assert r["cuda"]["fit"] == "compat" and r["cuda"]["driver"] == "470.256.02"
 
@@ -229,11 +251,11 @@ def test_no_driver_installed_needs_no_reboot(run_cli, tmp_path):
 def test_reboot_required_file(run_cli, tmp_path):
     flag = tmp_path / "reboot-required"
     flag.write_text("*** System restart required ***\n")
-    (tmp_path / "reboot-required.pkgs").write_text("linux-image-6.1.0-29-amd64\nlibc6\nlibc6\n")
+    (tmp_path / "reboot-required.pkgs").write_text("linux-image-6.1.0-58-amd64\nlibc6\nlibc6\n")
     code, r, _ = run_cli("--json", "--reboot-required-file", str(flag))
     assert code == 0
     assert (r["reboot"]["needed"], r["reboot"]["driver"]) == (True, False)
-    assert r["reboot"]["required_by"] == ["libc6", "linux-image-6.1.0-29-amd64"]
+    assert r["reboot"]["required_by"] == ["libc6", "linux-image-6.1.0-58-amd64"]
 
 
 # -- the driver/CUDA fit ------------------------------------------------------------------
@@ -260,7 +282,7 @@ def test_cuda_says_whether_the_driver_meets_its_minimum():
     ("version", "cuda", "fit"),
     [
         ("470.256.02", "12.4", "too-old"),  # below 525.60.13, CUDA 12's floor
-        ("535.216.01", "12.4", "compat"),  # CUDA 12.4's own minimum is not pinned here
+        ("535.309.01", "12.4", "compat"),  # CUDA 12.4's own minimum is not pinned here
         ("580.65.06", "13.0", "unknown"),
         ("450.80.02", "11.2", "compat"),
     ],
@@ -286,7 +308,7 @@ def test_cli_cuda_flag(run_cli):
     "content",
     [
         b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00",
-        "Kernel Module  535.216.01 \xe9t\xe9".encode("latin-1"),
+        "Kernel Module  535.309.01 \xe9t\xe9".encode("latin-1"),
     ],
     ids=["binary", "latin-1"],
 )
@@ -345,15 +367,15 @@ def test_text_report(run_cli, tmp_path):
     code, text, _ = run_cli(
         "--dpkg-file", str(DATA / "dpkg.debian12-535.txt"),
         "--dkms-status-file", str(DATA / "dkms-status.debian12-three-kernels.txt"),
-        "--lib-modules-dir", lib_modules(tmp_path, "6.1.0-28-amd64", "6.1.0-30-amd64"),
+        "--lib-modules-dir", lib_modules(tmp_path, "6.1.0-57-amd64", "6.1.0-59-amd64"),
     )  # fmt: skip
     assert code == 0
     assert text.splitlines() == [
-        "installed: nvidia-kernel-dkms 535.216.01 (branch 535, proprietary modules)",
+        "installed: nvidia-kernel-dkms 535.309.01 (branch 535, proprietary modules)",
         "loaded: no NVIDIA module",
-        "dkms: 6.1.0-28-amd64 installed; 6.1.0-30-amd64 missing; 6.1.0-29-amd64 built",
-        "reboot: needed: nvidia 535.216.01 is installed, no NVIDIA module is loaded",
-        "cuda: driver 535.216.01 (installed libcuda package) meets CUDA 11.8's minimum "
+        "dkms: 6.1.0-57-amd64 installed; 6.1.0-59-amd64 missing; 6.1.0-58-amd64 built",
+        "reboot: needed: nvidia 535.309.01 is installed, no NVIDIA module is loaded",
+        "cuda: driver 535.309.01 (installed libcuda package) meets CUDA 11.8's minimum "
         + MIN_DRIVER,
     ]
 
