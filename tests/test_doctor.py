@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from oldgpu import cli, detect, doctor
+from oldgpu import cli, detect, doctor, driver
+from oldgpu.doctor import checks as doctor_checks
+from oldgpu.doctor import checks_torch, common, known_errors
+from oldgpu.doctor import facts as doctor_facts
 
 DATA = Path(__file__).parent / "data"
 REC = DATA / "detect"
@@ -111,10 +114,10 @@ def facts(
         "schema": 1,
         "request": {"cc": cc, "arch": arch},
         "detect": report,
-        "driver": doctor.driver_facts(report, None),
+        "driver": doctor_facts.driver_facts(report, None),
         "probe": probe() if probe_facts is None else probe_facts,
         "host": {"mem_available_mib": mem_available, "mem_total_mib": 64000},
-        "env": {k: None for k in doctor.ENV_KEYS} | (env or {}),
+        "env": {k: None for k in doctor_facts.ENV_KEYS} | (env or {}),
         "verl": verl,
     }
 
@@ -132,11 +135,11 @@ def patched_verl(**options) -> dict[str, Any]:
 
 
 def checks(f: dict[str, Any], **kw) -> dict[str, dict[str, Any]]:
-    report = doctor.evaluate(f, **kw)
-    assert [c["id"] for c in report["checks"]] == list(doctor.CHECK_IDS)
+    report = doctor_checks.evaluate(f, **kw)
+    assert [c["id"] for c in report["checks"]] == list(doctor_checks.CHECK_IDS)
     for c in report["checks"]:
         assert set(c) == CHECK_KEYS
-        assert c["status"] in doctor.STATUSES
+        assert c["status"] in common.STATUSES
         assert c["seen"]
         assert bool(c["fix"]) or c["status"] in ("ok", "skip"), c
     return {c["id"]: c for c in report["checks"]}
@@ -162,7 +165,7 @@ def _with_probe(**kw) -> dict[str, Any]:
 
 def test_healthy_p40_passes_every_check():
     f = healthy_p40()
-    report = doctor.evaluate(f)
+    report = doctor_checks.evaluate(f)
     assert report["ok"] is True
     assert report["profile"] == "pascal-6.1"
     assert report["summary"] == "9 ok, 0 warn, 0 fail"
@@ -229,7 +232,7 @@ def test_p40_with_torch_cu128_has_no_kernel_image():
         requires=('triton==3.3.0; platform_system == "Linux"',),
         triton="3.3.0",
     )
-    report = doctor.evaluate(facts(probe_facts=p))
+    report = doctor_checks.evaluate(facts(probe_facts=p))
     assert report["ok"] is False
     c = {x["id"]: x for x in report["checks"]}
     tb = c["torch-build"]
@@ -267,7 +270,7 @@ def test_triton_requirement_for_another_machine_is_ignored():
 
 def test_flash_attn_present_on_p40_fails():
     f = _with_probe(flash_attn="2.7.4.post1")
-    report = doctor.evaluate(f)
+    report = doctor_checks.evaluate(f)
     fa = {x["id"]: x for x in report["checks"]}["flash-attn"]
     assert fa["status"] == "fail"
     assert "2.7.4.post1" in fa["seen"]
@@ -333,7 +336,7 @@ def test_a100_without_flash_attn_warns():
 
 def test_cpu_profile_skips_the_device_checks():
     p = probe(torch="2.6.0+cpu", cuda=None, arch_list=[], devices=[], requires=(), triton=None)
-    report = doctor.evaluate(facts("nogpu.nvidia-smi.txt", "nogpu.lspci.txt", probe_facts=p))
+    report = doctor_checks.evaluate(facts("nogpu.nvidia-smi.txt", "nogpu.lspci.txt", probe_facts=p))
     c = {x["id"]: x for x in report["checks"]}
     assert report["profile"] == "cpu" and report["ok"] is True
     for check_id in ("driver", "gpu-capability", "gpu-memory", "verl-patch"):
@@ -372,7 +375,7 @@ def test_unrunnable_probe_fails_torch_build_and_skips_the_rest():
 def test_unknown_gpu_gives_no_profile_but_a_report():
     f = facts(None, "p40.lspci.txt", probe_facts=probe(devices=[]))
     f["detect"]["gpus"][0].update(architecture=None, compute_capability=None, chip=None)
-    report = doctor.evaluate(f)
+    report = doctor_checks.evaluate(f)
     c = {x["id"]: x for x in report["checks"]}
     assert report["profile"] is None and report["ok"] is False
     assert c["gpu-capability"]["status"] == "fail"
@@ -394,7 +397,7 @@ def test_memory_thresholds():
 
 def test_recorded_h200_host():
     f = json.loads(H200_FACTS.read_text())
-    report = doctor.evaluate(f)
+    report = doctor_checks.evaluate(f)
     c = {x["id"]: x for x in report["checks"]}
     assert report["profile"] == "hopper-9.0" and report["ok"] is True
     assert {k: x["status"] for k, x in c.items()} == {
@@ -468,7 +471,7 @@ def test_verl_imported_from_elsewhere_warns():
     ],
 )
 def test_kernel_coverage(cc, arch_list, expected):
-    assert doctor.kernel_coverage(cc, arch_list) == expected
+    assert checks_torch.kernel_coverage(cc, arch_list) == expected
 
 
 def test_ptx_only_gpu_warns():
@@ -491,12 +494,12 @@ def test_ptx_only_gpu_warns():
     ],
 )
 def test_satisfies(version, spec, ok):
-    assert doctor.satisfies(version, spec) is ok
+    assert checks_torch.satisfies(version, spec) is ok
 
 
 def test_parse_requirement_both_metadata_spellings():
-    assert doctor.parse_requirement(TRITON_REQ)["specifier"] == "==3.2.0"
-    r = doctor.parse_requirement('triton==3.2.0; platform_system == "Linux"')
+    assert checks_torch.parse_requirement(TRITON_REQ)["specifier"] == "==3.2.0"
+    r = checks_torch.parse_requirement('triton==3.2.0; platform_system == "Linux"')
     assert (r["name"], r["specifier"], r["marker"]) == (
         "triton",
         "==3.2.0",
@@ -509,13 +512,13 @@ def test_driver_version_from_proc():
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024\n"
         "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
     )
-    assert doctor.parse_proc_driver_version(text) == "535.183.01"
+    assert driver.parse_proc_version(text) == "535.183.01"
     open_modules = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release"
-    assert doctor.parse_proc_driver_version(open_modules) == "580.65.06"
+    assert driver.parse_proc_version(open_modules) == "580.65.06"
     report = detect.detect("No devices were found\n", None, EXCERPT, run_tools=False)
-    assert doctor.driver_facts(report, text) == {
+    assert doctor_facts.driver_facts(report, text) == {
         "version": "535.183.01",
-        "source": doctor.PROC_DRIVER_VERSION,
+        "source": doctor_facts.PROC_DRIVER_VERSION,
         "nvidia_smi": "failed",
         "proc_version": "535.183.01",
     }
@@ -523,7 +526,7 @@ def test_driver_version_from_proc():
 
 def test_meminfo():
     text = "MemTotal:       65855364 kB\nMemFree:  1000 kB\nMemAvailable:   60123456 kB\n"
-    assert doctor.parse_meminfo(text) == {"mem_available_mib": 58714, "mem_total_mib": 64311}
+    assert doctor_facts.parse_meminfo(text) == {"mem_available_mib": 58714, "mem_total_mib": 64311}
 
 
 @pytest.mark.parametrize(
@@ -556,29 +559,29 @@ def test_meminfo():
     ],
 )
 def test_explain_known_errors(message, check_id):
-    found = doctor.explain(message)
+    found = known_errors.explain(message)
     assert found is not None and found["check"] == check_id
-    assert found["check"] in doctor.CHECK_IDS
+    assert found["check"] in doctor_checks.CHECK_IDS
     assert found["cause"] and found["fix"]
 
 
 def test_explain_article_errors_name_the_project_fixes():
-    assert "2.6.0+cu118" in doctor.explain("no kernel image is available")["fix"]
+    assert "2.6.0+cu118" in known_errors.explain("no kernel image is available")["fix"]
     assert (
         "rollout.name=hf"
-        in doctor.explain(
+        in known_errors.explain(
             "Bfloat16 is only supported on GPUs with compute capability of at least 8.0"
         )["fix"]
     )
-    assert "3.2.0" in doctor.explain("Triton compiler error")["fix"]
-    assert doctor.explain("everything is fine") is None
+    assert "3.2.0" in known_errors.explain("Triton compiler error")["fix"]
+    assert known_errors.explain("everything is fine") is None
 
 
 # -- the real probe, with the engine venv's interpreter --------------------------------
 
 
 def test_real_probe_with_this_interpreter():
-    p = doctor.run_probe(sys.executable)
+    p = doctor_facts.run_probe(sys.executable)
     assert "error" not in p, p
     assert p["python"] == sys.executable
     assert set(p) >= {"distributions", "modules", "torch_requires_triton", "torch", "machine"}
@@ -599,7 +602,7 @@ def test_real_probe_with_this_interpreter():
         assert {"capability", "free_mib", "total_mib", "kernel_ok"} <= set(d)
     assert p["modules"]["flash_attn"] is None or isinstance(p["modules"]["flash_attn"], str)
     if p["distributions"]["triton"]:
-        reqs = [doctor.parse_requirement(r) for r in p["torch_requires_triton"]]
+        reqs = [checks_torch.parse_requirement(r) for r in p["torch_requires_triton"]]
         assert any(r["name"] == "triton" for r in reqs)
     # The facts judge cleanly as a CPU host (the torch-build check needs no CUDA there).
     f = facts("nogpu.nvidia-smi.txt", "nogpu.lspci.txt", probe_facts=p)
@@ -608,7 +611,7 @@ def test_real_probe_with_this_interpreter():
 
 
 def test_probe_of_a_missing_interpreter():
-    p = doctor.run_probe("/nonexistent/bin/python")
+    p = doctor_facts.run_probe("/nonexistent/bin/python")
     assert "no such interpreter" in p["error"]
 
 
@@ -627,7 +630,7 @@ def _gather_on(tree: Path, monkeypatch) -> dict[str, Any]:
             "pci_ids": str(EXCERPT),
         },
     )()
-    return doctor.gather_facts(
+    return doctor_facts.gather_facts(
         python=sys.executable, verl_dir=str(tree), arch="cpu", detect_args=args
     )
 
@@ -699,7 +702,7 @@ def test_cli_cpu_host_exits_0(run_cli):
     assert set(out) == {"ok", "profile", "checks", "counts", "summary", "facts"}
     assert out["ok"] is True and out["profile"] == "cpu"
     assert out["summary"].endswith("0 fail")
-    assert [c["id"] for c in out["checks"]] == list(doctor.CHECK_IDS)
+    assert [c["id"] for c in out["checks"]] == list(doctor_checks.CHECK_IDS)
     assert out["facts"]["probe"]["python"] == sys.executable
 
 

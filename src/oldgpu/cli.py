@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "oldgpu.profile",
     "oldgpu.patch",
     "oldgpu.doctor",
+    "oldgpu.driver",
     "oldgpu.lockcheck",
     "oldgpu.plan",
     "oldgpu.jobs",

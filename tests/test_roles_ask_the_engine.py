@@ -1,0 +1,113 @@
+"""One owner per fact: the roles read the engine's JSON instead of re-deriving it in YAML.
+
+``oldgpu driver`` owns the loaded module's version (the "Kernel Module" line of
+/proc/driver/nvidia/version), the parsing of ``dkms status``, and the driver/CUDA
+fit (the pinned CUDA's minimum driver and the minor-version compatibility floors).
+This fails when YAML under roles/ does any of that again. Comment lines are not
+read: a comment may say what the engine does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from oldgpu import driver, pins
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = ROOT / "roles"
+
+# What the engine owns, as a role would write it again.
+FORBIDDEN = {
+    "the loaded module's version line": re.compile(r"Kernel Module"),
+    "reading the loaded driver's version": re.compile(re.escape(driver.PROC_VERSION)),
+    "running or parsing `dkms status`": re.compile(r"\bdkms\b[\s,'\"\]]+status\b"),
+    "a regex over dkms status lines": re.compile(r":\\s\*installed|dkms_line_re"),
+    "the driver/CUDA fit's driver versions": re.compile(
+        "|".join(
+            re.escape(v)
+            for v in (*driver.MINOR_COMPAT_DRIVER.values(), str(pins.get("cuda.min_driver")))
+        )
+    ),
+}
+
+
+def _yaml_lines() -> list[tuple[Path, int, str]]:
+    lines = []
+    for path in sorted(ROLES.rglob("*")):
+        if path.suffix not in (".yml", ".yaml", ".j2") or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.lstrip().startswith("#"):
+                lines.append((path, number, line))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def role_lines() -> list[tuple[Path, int, str]]:
+    if not ROLES.is_dir():  # the Nix build's copy of the tree has src/ and tests/ only
+        pytest.skip("no roles/ next to tests/")
+    return _yaml_lines()
+
+
+@pytest.mark.parametrize("what", sorted(FORBIDDEN))
+def test_no_role_re_derives_what_the_engine_answers(role_lines, what):
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path, number, line in role_lines
+        if FORBIDDEN[what].search(line)
+    ]
+    assert not found, f"{what} is oldgpu driver's (read oldgpu_engine_driver):\n" + "\n".join(found)
+
+
+# The YAML each pattern was written against (what the roles held before the
+# engine answered): the patterns catch it, so the test above can fail.
+WRITTEN_BEFORE = {
+    "the loaded module's version line": (
+        "regex_search('Kernel Module(?: for \\S+)?\\s+([0-9.]+)', '\\1')"
+    ),
+    "reading the loaded driver's version": "    src: /proc/driver/nvidia/version",
+    "running or parsing `dkms status`": "  ansible.builtin.command: dkms status",
+    "a regex over dkms status lines": (
+        "nvidia_driver_dkms_line_re: "
+        "'^(nvidia[\\w-]*)[/,]\\s*([0-9.]+),\\s*(\\S+),\\s*[^:]*:\\s*installed'"
+    ),
+    "the driver/CUDA fit's driver versions": "cuda_minor_compat_driver: 450.80.02",
+}
+
+
+@pytest.mark.parametrize("what", sorted(FORBIDDEN))
+def test_each_pattern_catches_what_it_was_written_for(what):
+    assert FORBIDDEN[what].search(WRITTEN_BEFORE[what])
+
+
+def test_argv_form_of_dkms_status_is_caught_too():
+    assert FORBIDDEN["running or parsing `dkms status`"].search("argv: [dkms, status]")
+    # Building the module is the role's job, not a re-derivation.
+    assert not FORBIDDEN["running or parsing `dkms status`"].search(
+        'argv: [dkms, autoinstall, -k, "{{ item }}"]'
+    )
+
+
+def test_the_gpu_roles_read_the_engines_answer(role_lines):
+    asks = {
+        path.relative_to(ROLES).parts[0]
+        for path, _, line in role_lines
+        if re.search(r"tasks_from:\s*driver\b", line)
+    }
+    assert {"nvidia_driver", "cuda"} <= asks
+    # One place for the supported distributions, used by both preflights.
+    os_checks = [
+        path.relative_to(ROLES).as_posix()
+        for path, _, line in role_lines
+        if "distribution_major_version'] == '12'" in line
+    ]
+    assert os_checks == ["oldgpu_engine/tasks/supported_os.yml"]
+    users = {
+        path.relative_to(ROLES).parts[0]
+        for path, _, line in role_lines
+        if re.search(r"tasks_from:\s*supported_os\b", line)
+    }
+    assert users == {"nvidia_driver", "cuda"}
