@@ -27,6 +27,8 @@ COMMAND_MODULES = (
     "oldgpu.smoke",
     "oldgpu.data",
     "oldgpu.guard",
+    "oldgpu.venv",
+    "oldgpu.switch",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's
