@@ -133,6 +133,7 @@ let
         "--extra-index-url"
         cfg.python.torchIndexUrl
       ];
+  venvSources = pipSources ++ map (p: "--extra=" + p) cfg.python.extraPackages;
   quote = s: "'" + builtins.replaceStrings [ "'" ] [ "'\\''" ] s + "'";
   args = l: builtins.concatStringsSep " " (map quote l);
 
@@ -142,7 +143,7 @@ let
     set -euo pipefail
     oldgpu venv ensure ${lockFile} ${codeDir} --link ${venvDir} --venvs ${venvsDir} \
       --python ${cfg.python.package}/bin/python3 --keep ${toString cfg.python.keepPrevious} \
-      --ignore verl ${args (pipSources ++ map (p: "--extra=" + p) cfg.python.extraPackages)}
+      --ignore verl ${args venvSources}
   '';
 
   driverLibraries = "/run/opengl-driver/lib:${flakePackages.runtime-libs}/lib";
