@@ -119,18 +119,11 @@ let
     path = oldgpu.lockFile cfg.python.lock;
     name = "verl-${cfg.python.lock}.lock";
   };
-  venvKey = builtins.substring 0 16 (
-    builtins.hashString "sha256" (
-      builtins.readFile lockFile
-      + builtins.concatStringsSep " " cfg.python.extraPackages
-      + builtins.unsafeDiscardStringContext "${cfg.python.package}"
-    )
-  );
   pipSources =
     if cfg.python.wheelhouse != "" then
       [
         "--no-index"
-        "--find-links"
+        "--wheelhouse"
         cfg.python.wheelhouse
       ]
     else
@@ -142,33 +135,17 @@ let
         "--extra-index-url"
         cfg.python.torchIndexUrl
       ];
+  venvSources = pipSources ++ map (p: "--extra=" + p) cfg.python.extraPackages;
   quote = s: "'" + builtins.replaceStrings [ "'" ] [ "'\\''" ] s + "'";
   args = l: builtins.concatStringsSep " " (map quote l);
 
-  # The python_env role's steps: a venv per lock, checked before and after
-  # pip, linked in only when it holds exactly the lock.
+  # The engine's `oldgpu venv ensure`, as the python_env role runs it: a venv
+  # per lock, built only when none holds it, verified, then linked in.
   venvScript = ''
     set -euo pipefail
-    target=${venvsDir}/${venvKey}
-    check() { oldgpu lock-check ${lockFile} --python "$target/bin/python" --ignore verl; }
-    if [ -x "$target/bin/python" ] && check >/dev/null 2>&1; then
-      echo "verl-venv: $target holds ${cfg.python.lock}.lock"
-    else
-      trap 'rm -rf "$target"; echo "verl-venv: failed; ${venvDir} still points at the previous venv" >&2' ERR
-      rm -rf "$target"
-      ${cfg.python.package}/bin/python3 -m venv "$target"
-      "$target/bin/python" -m pip install --no-deps --no-cache-dir --disable-pip-version-check \
-        --progress-bar off -r ${lockFile} ${args (pipSources ++ cfg.python.extraPackages)}
-      check
-      "$target/bin/python" -m pip check
-      trap - ERR
-    fi
-    ln -sfn "$target" ${venvDir}.new
-    mv -T ${venvDir}.new ${venvDir}
-    # Keep ${toString cfg.python.keepPrevious} older venv(s) for rollback.
-    find ${venvsDir} -mindepth 1 -maxdepth 1 -type d ! -name ${venvKey} -printf '%T@ %p\n' |
-      sort -rn | tail -n +${toString (cfg.python.keepPrevious + 1)} | cut -d' ' -f2- |
-      xargs -r rm -rf
+    oldgpu venv ensure ${lockFile} ${codeDir} --link ${venvDir} --venvs ${venvsDir} \
+      --python ${cfg.python.package}/bin/python3 --keep ${toString cfg.python.keepPrevious} \
+      --ignore verl ${args venvSources}
   '';
 
   driverLibraries = "/run/opengl-driver/lib:${flakePackages.runtime-libs}/lib";
@@ -388,7 +365,6 @@ in
           path = [
             cfg.package
             pkgs.coreutils
-            pkgs.findutils
           ];
           environment.LD_LIBRARY_PATH = driverLibraries;
           serviceConfig = {

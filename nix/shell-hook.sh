@@ -7,8 +7,9 @@
 # PyTorch publishes for CUDA 11.8 with sm_50..sm_90 kernels. nixpkgs has no
 # such torch (its torch is another version, built for other CUDA releases), so
 # a nixpkgs Python set could not be "the same environment". The venv is made
-# with nixpkgs' Python of the pinned version, by pip from the same lock with
-# --no-deps, then checked with `oldgpu lock-check` like the role does.
+# with nixpkgs' Python of the pinned version by `oldgpu venv ensure`, the
+# command the python_env role runs: pip installs the same lock with --no-deps,
+# the engine verifies the venv (lock-check, pip check) and links it in.
 #
 # From the mkShell: OLDGPU_PYTHON, OLDGPU_LOCKS, OLDGPU_RUNTIME_LIBS, VERL_DIR.
 # From the user:
@@ -17,32 +18,10 @@
 #   OLDGPU_INDEX_URL        the index for everything else (default: pip's config)
 #   OLDGPU_WHEELHOUSE       a directory of wheels: install from it alone
 #   OLDGPU_LOCK_VARIANT     cu118 (default) or pypi (the CPU hosts' lock)
-#   OLDGPU_VENVS_DIR        where venvs are kept (default ~/.cache/oldgpu/venvs)
+#   OLDGPU_VENVS_DIR        where venvs are kept, per variant (default ~/.cache/oldgpu/venvs)
 
-_oldgpu_build_venv() {
-  local lock=$1 venv=$2
-  local sources=()
-  if [[ -n ${OLDGPU_WHEELHOUSE:-} ]]; then
-    sources+=(--no-index --find-links "$OLDGPU_WHEELHOUSE")
-  else
-    [[ -z ${OLDGPU_INDEX_URL:-} ]] || sources+=(--index-url "$OLDGPU_INDEX_URL")
-    [[ -z ${OLDGPU_TORCH_INDEX_URL:-} ]] || sources+=(--extra-index-url "$OLDGPU_TORCH_INDEX_URL")
-  fi
-  echo "oldgpu shell: installing $(basename "$lock") into $venv" >&2
-  rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
-  if "$OLDGPU_PYTHON" -m venv "$venv" &&
-    "$venv/bin/python" -m pip install --no-deps --no-cache-dir --disable-pip-version-check \
-      --progress-bar off -q -r "$lock" "${sources[@]}" &&
-    oldgpu lock-check "$lock" --python "$venv/bin/python" --ignore verl >&2 &&
-    "$venv/bin/python" -m pip check >&2; then
-    touch "$venv/.complete"
-    return 0
-  fi
-  rm -rf "$venv"
-  echo "oldgpu shell: the venv could not be built from $(basename "$lock") (see above);" \
-    "the shell has no training venv" >&2
-  return 1
+_oldgpu_field() {
+  "$OLDGPU_PYTHON" -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"
 }
 
 _oldgpu_shell() {
@@ -61,25 +40,34 @@ _oldgpu_shell() {
   fi
   export LD_LIBRARY_PATH
 
-  local venvs=${OLDGPU_VENVS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/oldgpu/venvs}
-  local key
-  key=$({
-    cat "$lock"
-    printf '%s' "$OLDGPU_PYTHON"
-  } | sha256sum | cut -c1-16)
-  local venv=$venvs/$variant-$key
-  if [[ ! -e $venv/.complete ]]; then
-    if [[ $variant == cu118 && -z ${OLDGPU_TORCH_INDEX_URL:-} && -z ${OLDGPU_WHEELHOUSE:-} ]]; then
-      cat >&2 <<EOF
+  local dir=${OLDGPU_VENVS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/oldgpu/venvs}/$variant
+  local args=(venv ensure "$lock" "$dir" --python "$OLDGPU_PYTHON" --ignore verl --keep 1 --json)
+  if [[ -n ${OLDGPU_WHEELHOUSE:-} ]]; then
+    args+=(--no-index --wheelhouse "$OLDGPU_WHEELHOUSE")
+  else
+    [[ -z ${OLDGPU_INDEX_URL:-} ]] || args+=(--index-url "$OLDGPU_INDEX_URL")
+    [[ -z ${OLDGPU_TORCH_INDEX_URL:-} ]] || args+=(--extra-index-url "$OLDGPU_TORCH_INDEX_URL")
+  fi
+  local doc
+  # Without a source for torch's cu118 build, say so rather than let pip fail
+  # (a venv built before is still used).
+  if [[ $variant == cu118 && -z ${OLDGPU_TORCH_INDEX_URL:-} && -z ${OLDGPU_WHEELHOUSE:-} ]] &&
+    { ! doc=$(oldgpu "${args[@]}" --check) || [[ $(_oldgpu_field "$doc" built) == True ]]; }; then
+    cat >&2 <<EOF
 oldgpu shell: no training venv yet: torch $(grep -E '^torch==' "$lock" | cut -d= -f3) is only on
   PyTorch's cu118 wheel index. Set OLDGPU_TORCH_INDEX_URL to it (or a mirror), or
   OLDGPU_WHEELHOUSE to a directory of its wheels, and enter the shell again
   (OLDGPU_LOCK_VARIANT=pypi takes the CPU hosts' lock instead).
 EOF
-      return 0
-    fi
-    _oldgpu_build_venv "$lock" "$venv" || return 0
+    return 0
   fi
+  if ! doc=$(oldgpu "${args[@]}"); then
+    echo "oldgpu shell: the venv could not be built from $(basename "$lock") (see above);" \
+      "the shell has no training venv" >&2
+    return 0
+  fi
+  local venv
+  venv=$(_oldgpu_field "$doc" path)
   export VIRTUAL_ENV=$venv VERL_VENV=$venv OLDGPU_VENV_PYTHON=$venv/bin/python
   export PATH=$venv/bin:$PATH
   export PYTHONPATH=$VERL_DIR${PYTHONPATH:+:$PYTHONPATH}
@@ -87,4 +75,4 @@ EOF
 }
 
 _oldgpu_shell
-unset -f _oldgpu_shell _oldgpu_build_venv
+unset -f _oldgpu_shell _oldgpu_field

@@ -1,30 +1,24 @@
 #!/usr/bin/env bash
 # The venv the engine's tests run in: the same lock the test hosts install
-# (torch, transformers, verl's dependencies), from the shared wheelhouse,
-# plus pytest. Kept outside the clone, keyed by the lock's hash; prints its path.
+# (torch, transformers, verl's dependencies) plus pytest at the controller's
+# pins, all from the shared wheelhouse. Built, verified and linked by the
+# engine's own `oldgpu venv ensure` (run from src/: nothing is installed yet),
+# kept outside the clone, named by the lock's hash; prints the venv's path.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 lock=$root/files/requirements/pypi.lock
 cache=${OLDGPU_CACHE:-/var/cache/oldgpu}
 wheelhouse=${OLDGPU_WHEELHOUSE:-$cache/wheelhouse}
-pytest_pin=$(grep -E '^pytest==' "$root/requirements/controller.txt")
-key=$(cat "$lock" <(echo "$pytest_pin") | sha256sum | cut -c1-16)
-venv=$cache/venvs/engine-$key
-if [[ ! -f $venv/.complete ]]; then
-  "$root/scripts/wheelhouse.sh" "$lock" >&2
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  echo "[engine-venv] installing $(basename "$lock") into $venv" >&2
-  "$venv/bin/python" -m pip install -q --no-index --find-links "$wheelhouse" -r "$lock" >&2
-  "$venv/bin/python" -m pip install -q "$pytest_pin" >&2
-  # pip resolves silently around conflicts; the pins must have held.
-  "$venv/bin/python" - "$lock" >&2 <<'PY'
-import sys
-from importlib.metadata import version
-want = dict(l.strip().split("==") for l in open(sys.argv[1]) if "==" in l and not l.startswith("#"))
-for name in ("torch", "triton", "transformers"):
-    assert version(name) == want[name], f"{name} {version(name)} != lock {want[name]}"
-PY
-  touch "$venv/.complete"
-fi
-echo "$venv"
+# pytest and what it needs (pip check names anything missing from this list).
+test_pins=$(grep -E '^(pytest|pluggy|iniconfig|pygments)==' "$root/requirements/controller.txt")
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pins_file=$tmp/engine-test-pins.txt
+echo "$test_pins" >"$pins_file"
+"$root/scripts/wheelhouse.sh" "$lock" >&2
+"$root/scripts/wheelhouse.sh" "$pins_file" >&2
+extras=()
+for pin in $test_pins; do extras+=(--extra "$pin"); done
+doc=$(PYTHONPATH=$root/src python3 -m oldgpu venv ensure "$lock" "$cache/venvs/engine" \
+  --no-index --wheelhouse "$wheelhouse" "${extras[@]}" --keep 1 --json)
+python3 -c 'import json, sys; print(json.loads(sys.argv[1])["path"])' "$doc"

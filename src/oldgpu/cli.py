@@ -29,6 +29,8 @@ COMMAND_MODULES = (
     "oldgpu.data",
     "oldgpu.guard",
     "oldgpu.topology",
+    "oldgpu.venv",
+    "oldgpu.switch",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's

@@ -19,6 +19,8 @@ _LIST_DISTRIBUTIONS = (
     "import json, importlib.metadata as m;"
     "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
 )
+# A lock's line: name[extras]==version, nothing looser.
+PIN = re.compile(r"([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==([^\s;]+)")
 # Tools a venv has that no lock lists.
 _BOOTSTRAP = {"pip", "setuptools", "wheel"}
 
@@ -29,15 +31,21 @@ def normalise(name: str) -> str:
 
 def read_lock(path: Path) -> dict[str, str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise EngineError("lock-unreadable", f"{path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise EngineError("lock-not-utf8", f"{path}: not UTF-8 text ({exc.reason})") from exc
+    return parse_lock(text, path)
+
+
+def parse_lock(text: str, path: Path) -> dict[str, str]:
     pins = {}
-    for number, raw in enumerate(lines, 1):
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==([^\s;]+)", line)
+        m = PIN.fullmatch(line)
         if not m:
             raise EngineError("lock-not-exact", f"{path}:{number}: {raw!r} is not name==version")
         pins[normalise(m.group(1))] = m.group(2)
@@ -87,10 +95,13 @@ def run(args) -> Result:
     if report["matches"]:
         text = f"{args.python}: matches {args.lock}"
     else:
-        parts = [f"missing: {', '.join(report['missing'])}"] if report["missing"] else []
-        parts += [
-            f"{n} {d['installed']} (lock {d['lock']})" for n, d in report["mismatched"].items()
-        ]
-        parts += [f"not in lock: {', '.join(report['extra'])}"] if report["extra"] else []
-        text = f"{args.python} differs from {args.lock}: " + "; ".join(parts)
+        text = f"{args.python} differs from {args.lock}: {differences(report)}"
     return Result(report, text, 0 if report["matches"] else 1)
+
+
+def differences(report: dict) -> str:
+    """What ``compare`` found, in one line."""
+    parts = [f"missing: {', '.join(report['missing'])}"] if report["missing"] else []
+    parts += [f"{n} {d['installed']} (lock {d['lock']})" for n, d in report["mismatched"].items()]
+    parts += [f"not in lock: {', '.join(report['extra'])}"] if report["extra"] else []
+    return "; ".join(parts)

@@ -22,6 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from tinywheel import make_wheel  # noqa: E402
 
 from oldgpu import lockcheck  # noqa: E402
 
@@ -369,7 +372,9 @@ def test_units_and_paths_the_module_adds(flake: Flake, host: dict) -> None:
     assert job["wantedBy"] == []  # the test job is enabled: false
     venv = services["verl-venv"]
     assert "--no-index" in venv["script"] and "/srv/wheelhouse" in venv["script"]
-    assert "lock-check" in venv["script"]
+    # The engine builds, verifies (lock-check, pip check) and links the venv.
+    assert "oldgpu venv ensure /nix/store/" in venv["script"]
+    assert "--link /opt/verl/venv --venvs /opt/verl/venvs" in venv["script"]
     start = flake.eval_json(f"packages.{SYSTEM}.verl-train.outPath")
     rules = host["systemd"]["tmpfiles"]["rules"]
     assert f"L+ /opt/verl/bin/verl-train - - - - {start}/bin/verl-train" in rules
@@ -562,12 +567,18 @@ def test_shell_hook_asks_for_the_cu118_index(tmp_path: Path) -> None:
 def test_shell_hook_builds_and_checks_the_venv(tmp_path: Path) -> None:
     locks = tmp_path / "locks"
     locks.mkdir()
-    (locks / "pypi.lock").write_text("# a lock of nothing: the hook's steps, offline\n")
-    proc = _hook(tmp_path, locks, OLDGPU_LOCK_VARIANT="pypi")
+    (locks / "pypi.lock").write_text("# the hook's steps, offline\ntinyapp==1.0\n")
+    make_wheel(tmp_path / "wheels", "tinyapp", "1.0")
+    wheels = str(tmp_path / "wheels")
+    proc = _hook(tmp_path, locks, OLDGPU_LOCK_VARIANT="pypi", OLDGPU_WHEELHOUSE=wheels)
     assert proc.returncode == 0, proc.stderr
-    (venv,) = (tmp_path / ".cache" / "oldgpu" / "venvs").iterdir()
-    assert (venv / ".complete").exists()
+    # Built, verified and linked by `oldgpu venv ensure`: no build marker left.
+    base = tmp_path / ".cache" / "oldgpu" / "venvs" / "pypi"
+    (venv,) = (p for p in (base / "venvs").iterdir() if not p.name.startswith("."))
+    assert os.readlink(base / "venv") == str(venv)
+    assert not list((base / "venvs").glob(".*.building"))
     assert f"VENV={venv} PYTHONPATH=/verl-patched " in proc.stdout
     # Entering again reuses it.
-    again = _hook(tmp_path, locks, OLDGPU_LOCK_VARIANT="pypi")
-    assert "installing" not in again.stderr
+    again = _hook(tmp_path, locks, OLDGPU_LOCK_VARIANT="pypi", OLDGPU_WHEELHOUSE=wheels)
+    assert "building" not in again.stderr
+    assert f"VENV={venv} " in again.stdout
