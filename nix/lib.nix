@@ -1,6 +1,6 @@
 # What the flake and its NixOS module know, as data and pure functions: the
 # pins (files/pins.json), the Python locks the roles install, the engine's job
-# settings and driver verdicts (nix/engine.json, written by the engine), the
+# settings, fixed paths and driver verdicts (nix/engine.json, written by the engine), the
 # env-file renderer and the unit file. Builtins only: no nixpkgs needed, so
 # every line here is evaluated offline by `make nix`.
 { root }:
@@ -181,6 +181,11 @@ let
       ++ map (v: "job ${name}: ${f.name}: '${v}' must be printable ASCII") (filter bad job.${f.name})
     ) [ ] lists;
 
+  # --- the host -----------------------------------------------------------
+
+  # The user and directories the unit names (`oldgpu paths`): constants, not options.
+  paths = engine.paths;
+
   # --- the GPU ------------------------------------------------------------
 
   profiles = engine.profiles;
@@ -259,6 +264,7 @@ in
     renderEnv
     jobJson
     jobProblems
+    paths
     profiles
     driverBranches
     driverProblem
