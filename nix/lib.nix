@@ -291,7 +291,7 @@ in
   sourceHash =
     source: commit:
     sourceHashes.${source}.${commit} or (throw
-      "oldgpu: nix/source-hashes.json has no hash for ${source} at ${commit} (the commit files/pins.json names); add it (README: Nix)"
+      "oldgpu: nix/source-hashes.json has no hash for ${source} at ${commit} (the commit files/pins.json names); add it (docs/nix.md)"
     );
 
   makeBinPath = packages: concatStringsSep ":" (map (p: "${p}/bin") packages);
