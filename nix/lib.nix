@@ -1,6 +1,6 @@
 # What the flake and its NixOS module know, as data and pure functions: the
 # pins (files/pins.json), the Python locks the roles install, the engine's job
-# settings and driver verdicts (nix/engine.json, written by the engine), the
+# settings, fixed paths and driver verdicts (nix/engine.json, written by the engine), the
 # env-file renderer and the unit file. Builtins only: no nixpkgs needed, so
 # every line here is evaluated offline by `make nix`.
 { root }:
@@ -189,6 +189,11 @@ let
       ++ map (v: "job ${name}: ${f.name}: '${v}' must be printable ASCII") (filter bad job.${f.name})
     ) [ ] lists;
 
+  # --- the host -----------------------------------------------------------
+
+  # The user and directories the unit names (`oldgpu paths`): constants, not options.
+  paths = engine.paths;
+
   # --- the GPU ------------------------------------------------------------
 
   profiles = engine.profiles;
@@ -267,6 +272,7 @@ in
     renderEnv
     jobJson
     jobProblems
+    paths
     profiles
     driverBranches
     driverProblem
@@ -293,7 +299,7 @@ in
   sourceHash =
     source: commit:
     sourceHashes.${source}.${commit} or (throw
-      "oldgpu: nix/source-hashes.json has no hash for ${source} at ${commit} (the commit files/pins.json names); add it (README: Nix)"
+      "oldgpu: nix/source-hashes.json has no hash for ${source} at ${commit} (the commit files/pins.json names); add it (docs/nix.md)"
     );
 
   makeBinPath = packages: concatStringsSep ":" (map (p: "${p}/bin") packages);

@@ -31,10 +31,19 @@ let
   branchOf = p: builtins.fromJSON (builtins.head (builtins.match "([0-9]+).*" p.version));
   driverProblem = oldgpu.driverProblem cfg.gpu.architecture (branchOf nvidia.package) nvidia.open;
 
-  codeDir = "/opt/verl";
-  venvDir = "${codeDir}/venv";
-  venvsDir = "${codeDir}/venvs";
-  jobsDir = "/etc/verl/jobs";
+  # The user and directories the unit names: the engine's constants
+  # (`oldgpu paths`, through nix/engine.json), not options.
+  paths = oldgpu.paths;
+  codeDir = paths.code_dir;
+  venvDir = paths.venv_dir;
+  venvsDir = paths.venvs_dir;
+  jobsDir = paths.jobs_dir;
+  # environment.etc takes names relative to /etc.
+  etcJobsDir =
+    if builtins.substring 0 5 jobsDir == "/etc/" then
+      builtins.substring 5 (builtins.stringLength jobsDir) jobsDir
+    else
+      throw "oldgpu: the jobs' directory ${jobsDir} is not under /etc";
 
   fieldType =
     f:
@@ -80,7 +89,7 @@ let
             description = ''
               A file of KEY='value' lines outside the Nix store (sops-nix,
               agenix), linked as ${jobsDir}/<name>.secrets.env: systemd reads it as
-              root before the job drops to the verl user.
+              root before the job drops to the ${paths.user} user.
             '';
           };
         };
@@ -221,13 +230,13 @@ in
       type = types.package;
       default = flakePackages.verl-train;
       defaultText = lib.literalExpression "oldgpu.packages.\${system}.verl-train";
-      description = "The start script, linked as ${codeDir}/bin/verl-train (the unit's ExecStart).";
+      description = "The start script, linked as ${paths.start_script} (the unit's ExecStart).";
     };
     verlPackage = mkOption {
       type = types.package;
       default = flakePackages.verlPatchedFor cfg.gpu.architecture;
       defaultText = lib.literalExpression "verl at the pinned commit, patched by the engine for gpu.architecture";
-      description = "The patched verl tree the jobs import (VERL_DIR; linked as ${codeDir}/verl).";
+      description = "The patched verl tree the jobs import (VERL_DIR; linked as ${paths.verl_dir}).";
     };
 
     python = {
@@ -315,30 +324,30 @@ in
         ]
       ) (builtins.attrNames cfg.jobs);
 
-      users.users.verl = {
+      users.users.${paths.user} = {
         isSystemUser = true;
-        group = "verl";
-        home = "/var/lib/verl";
+        group = paths.group;
+        home = paths.data_dir;
         createHome = false;
         description = "verl training jobs";
       };
-      users.groups.verl = { };
+      users.groups.${paths.group} = { };
 
       environment.systemPackages = [ cfg.package ] ++ lib.optional cfg.cuda.enable cfg.cuda.package;
 
       # The same directories as the base role, and the fixed paths the unit names.
       systemd.tmpfiles.rules = [
         "d ${codeDir} 0755 root root -"
-        "d ${codeDir}/bin 0755 root root -"
-        "L+ ${codeDir}/bin/verl-train - - - - ${cfg.startScript}/bin/verl-train"
-        "d ${codeDir}/engine 0755 root root -"
-        "L+ ${codeDir}/engine/current - - - - ${cfg.package}/${cfg.python.package.sitePackages}"
-        "L+ ${codeDir}/verl - - - - ${cfg.verlPackage}"
+        "d ${paths.bin_dir} 0755 root root -"
+        "L+ ${paths.start_script} - - - - ${cfg.startScript}/bin/verl-train"
+        "d ${paths.engine_dir} 0755 root root -"
+        "L+ ${paths.engine_dir}/current - - - - ${cfg.package}/${cfg.python.package.sitePackages}"
+        "L+ ${paths.verl_dir} - - - - ${cfg.verlPackage}"
         "d ${venvsDir} 0755 root root -"
-        "d /var/lib/verl 0750 verl verl -"
-        "d /var/log/verl 0750 verl verl -"
-        "d /etc/verl 0755 root root -"
-        "d ${jobsDir} 0750 root verl -"
+        "d ${paths.data_dir} 0750 ${paths.user} ${paths.group} -"
+        "d ${paths.log_dir} 0750 ${paths.user} ${paths.group} -"
+        "d ${paths.config_dir} 0755 root root -"
+        "d ${jobsDir} 0750 root ${paths.group} -"
       ];
 
       # The template unit itself, unchanged; NixOS's additions go in drop-ins.
@@ -351,7 +360,7 @@ in
           path = [ pkgs.pciutils ] ++ lib.optional cfg.nvidia.enable (lib.getBin nvidia.package);
           environment = {
             OLDGPU_BIN = "${cfg.package}/bin/oldgpu";
-            OLDGPU_VENV_PYTHON = "${venvDir}/bin/python";
+            OLDGPU_VENV_PYTHON = paths.venv_python;
             VERL_VENV = venvDir;
             VERL_DIR = "${cfg.verlPackage}";
             LD_LIBRARY_PATH = driverLibraries;
@@ -389,15 +398,15 @@ in
       environment.etc =
         lib.mapAttrs' (
           name: job:
-          lib.nameValuePair "verl/jobs/${name}.env" {
+          lib.nameValuePair "${etcJobsDir}/${name}.env" {
             source = envFile name job;
             mode = "0640";
             user = "root";
-            group = "verl";
+            group = paths.group;
           }
         ) cfg.jobs
         // lib.mapAttrs' (
-          name: job: lib.nameValuePair "verl/jobs/${name}.secrets.env" { source = job.secretsFile; }
+          name: job: lib.nameValuePair "${etcJobsDir}/${name}.secrets.env" { source = job.secretsFile; }
         ) (lib.filterAttrs (_: job: job.secretsFile != null) cfg.jobs);
     }
 

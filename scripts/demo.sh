@@ -2,6 +2,33 @@
 # Provision a local container p40-demo with the real site.yml and show what
 # was installed. Re-running converges the same container again.
 set -euo pipefail
+
+# verl's step lines in the smoke job's journal ("step:N - ...", Ray may prefix
+# "(TaskRunner pid=...) "). The journal is read whole into a variable before
+# grep sees it: with `journalctl | grep -q` under pipefail, grep exits at its
+# first match, journalctl dies of SIGPIPE writing the rest, and the pipeline
+# fails just when the step is there.
+step_lines() {  # $1: container
+  local journal
+  journal=$(podman exec "$1" journalctl -u verl-train@smoke.service -o cat --no-pager 2>/dev/null) || true
+  grep -E '(^|\) )step:[0-9]+ ' <<<"$journal" || true
+}
+
+# Wait until the smoke job logs a step (0) or fails, or the rounds run out (1).
+wait_for_first_step() {  # $1: container, $2: rounds, $3: seconds between them
+  local round state
+  for ((round = 1; round <= $2; round++)); do
+    [[ -n $(step_lines "$1") ]] && return 0
+    state=$(podman exec "$1" systemctl is-active verl-train@smoke.service || true)
+    [[ $state == failed ]] && return 1
+    sleep "$3"
+  done
+  return 1
+}
+
+# Sourced (tests/test_demo.py): the functions only.
+[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0
+
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 name=p40-demo
@@ -39,14 +66,10 @@ podman exec "$name" sh -c '
 # for its first PPO step, and show what `oldgpu status` says.
 podman exec "$name" systemctl start verl-train@smoke.service
 echo "== verl-train@smoke started; waiting for its first step =="
-for _ in $(seq 120); do
-  podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager 2>/dev/null |
-    grep -qE '(^|\) )step:[0-9]+ ' && break
-  state=$(podman exec "$name" systemctl is-active verl-train@smoke.service || true)
-  [[ $state == failed ]] && break
-  sleep 5
-done
-podman exec "$name" journalctl -u verl-train@smoke.service -o cat --no-pager | grep -E '(^|\) )step:[0-9]+ ' | tail -n 2 | cut -c1-300 || true
+if ! wait_for_first_step "$name" 120 5; then
+  echo "== no step yet after $((120 * 5)) s, or the job failed: see below and its journal =="
+fi
+step_lines "$name" | tail -n 2 | cut -c1-300
 echo
 podman exec "$name" oldgpu status
 echo "(journal: podman exec $name journalctl -fu verl-train@smoke; make demo-destroy removes it)"

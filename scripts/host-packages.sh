@@ -6,7 +6,8 @@ set -euo pipefail
 need=(podman runc uidmap slirp4netns fuse-overlayfs debootstrap pciutils pci.ids git python3-venv)
 missing=()
 for p in "${need[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  # A comparison, not `| grep -q`: under pipefail an early-exiting grep can fail the pipe.
+  [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) == "install ok installed" ]] || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "[host] installing ${missing[*]}"

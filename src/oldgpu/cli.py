@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from oldgpu import __version__
+from oldgpu import __version__, paths
 from oldgpu.output import EngineError
 
 # Each module exposes ``add_parser(subparsers)`` and sets ``func(args) -> Result``.
@@ -31,12 +31,13 @@ COMMAND_MODULES = (
     "oldgpu.topology",
     "oldgpu.venv",
     "oldgpu.switch",
+    "oldgpu.paths",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's
 # interpreter, which has them (the engine itself runs on the system python3).
 VENV_PYTHON_ENV = "OLDGPU_VENV_PYTHON"
-DEFAULT_VENV_PYTHON = "/opt/verl/venv/bin/python"
+DEFAULT_VENV_PYTHON = str(paths.VENV_PYTHON)
 
 
 def build_parser() -> argparse.ArgumentParser:

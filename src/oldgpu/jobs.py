@@ -28,16 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, profile, recipe
+from oldgpu import detect, paths, profile, recipe
 from oldgpu import plan as planner
 from oldgpu.output import EngineError, Result
 
 CONFIG_INVALID = 4
 
-JOBS_DIR = Path("/etc/verl/jobs")
-STATE_DIR = Path("/var/lib/verl/jobs")
-LOG_DIR = Path("/var/log/verl")
-VENV_PYTHON = Path("/opt/verl/venv/bin/python")
+# Where jobs live on a host (oldgpu.paths owns them; the unit names them too).
+JOBS_DIR = paths.JOBS_DIR
+STATE_DIR = paths.STATE_DIR
+LOG_DIR = paths.LOG_DIR
 ENV_PREFIX = "VERL_JOB_"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 # What may not appear in a value of the env file (see the module docstring).
@@ -322,7 +322,10 @@ def override_key(override: str) -> str:
 
 
 def merge_overrides(*groups: Iterable[str]) -> list[str]:
-    """Later groups win per key, in the position of the first (Hydra refuses repeats)."""
+    """One override per key (Hydra refuses repeats): the last one wins, in its own position.
+
+    A key set again moves to where it was set last: ``[a=1, b=2], [a=3]`` gives ``[b=2, a=3]``.
+    """
     merged: dict[str, str] = {}
     for group in groups:
         for item in group:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -17,7 +17,6 @@ class Result:
     payload: Any
     text: str = ""
     code: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def emit(self, as_json: bool) -> int:
         if as_json:

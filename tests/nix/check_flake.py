@@ -5,7 +5,7 @@ input replaced by tests/nix/stub-nixpkgs: every output's structure, the pins
 it reads, the NixOS module on a test host (options, generated units, env
 file, assertions), and a few builds that need only the host's tools (the
 module's env file through the engine, the unit package). What only real
-nixpkgs can show (`nix flake check`, `nix develop`) is the README's first step
+nixpkgs can show (`nix flake check`, `nix develop`) is docs/nix.md's first step
 for a user with network access.
 """
 

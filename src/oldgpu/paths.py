@@ -1,0 +1,90 @@
+"""``oldgpu paths``: where everything lives on a host. Constants, one owner.
+
+The template unit ``files/systemd/verl-train@.service`` is one static file that
+Ansible and NixOS install byte for byte, and it names the user and the
+directories; so they cannot be options, and they live here. Everything else
+reads them from this module: the engine imports it, the roles ask
+``oldgpu paths --json`` (role ``oldgpu_engine``, entry point ``paths``: the fact
+``oldgpu_engine_paths``), the NixOS module reads ``nix/engine.json``
+(``scripts/nix_engine_data.py``), and the two static files that must name them
+literally (the unit and ``files/bin/verl-train``) are checked against this table
+by ``tests/test_paths.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from oldgpu.output import Result
+
+# The unprivileged account the jobs run as (the unit's User= and Group=).
+USER = "verl"
+GROUP = "verl"
+
+# Code: root-owned, readable by the jobs.
+CODE_DIR = Path("/opt/verl")
+BIN_DIR = CODE_DIR / "bin"
+START_SCRIPT = BIN_DIR / "verl-train"  # the unit's ExecStart=
+ENGINE_DIR = CODE_DIR / "engine"  # releases of the engine; current -> the active one
+VENVS_DIR = CODE_DIR / "venvs"  # one venv per lock
+VENV_DIR = CODE_DIR / "venv"  # -> the active venv
+VENV_PYTHON = VENV_DIR / "bin" / "python"
+VERL_SRC_DIR = CODE_DIR / "src" / "verl"  # the pristine clone
+TREES_DIR = CODE_DIR / "trees"  # patched trees, one per commit and profile
+VERL_DIR = CODE_DIR / "verl"  # -> the active patched tree
+
+# Data, models and checkpoints (owned by USER); the unit's StateDirectory= is
+# verl/jobs/<name>, so systemd puts a job's state in STATE_DIR / <name>.
+DATA_DIR = Path("/var/lib/verl")
+STATE_DIR = DATA_DIR / "jobs"
+# The jobs' log files (the unit's LogsDirectory=verl).
+LOG_DIR = Path("/var/log/verl")
+# One <job>.env per job (root:GROUP 0750: it may hold secrets).
+CONFIG_DIR = Path("/etc/verl")
+JOBS_DIR = CONFIG_DIR / "jobs"
+
+# The engine's command on a host Ansible provisions (the start script's default;
+# NixOS sets OLDGPU_BIN to its store path instead).
+ENGINE_BIN = Path("/usr/local/bin/oldgpu")
+
+
+def as_dict() -> dict[str, str]:
+    """The table as ``oldgpu paths --json`` prints it (and nix/engine.json holds it)."""
+    return {
+        "user": USER,
+        "group": GROUP,
+        "code_dir": str(CODE_DIR),
+        "bin_dir": str(BIN_DIR),
+        "start_script": str(START_SCRIPT),
+        "engine_dir": str(ENGINE_DIR),
+        "engine_bin": str(ENGINE_BIN),
+        "venvs_dir": str(VENVS_DIR),
+        "venv_dir": str(VENV_DIR),
+        "venv_python": str(VENV_PYTHON),
+        "verl_src_dir": str(VERL_SRC_DIR),
+        "trees_dir": str(TREES_DIR),
+        "verl_dir": str(VERL_DIR),
+        "data_dir": str(DATA_DIR),
+        "state_dir": str(STATE_DIR),
+        "log_dir": str(LOG_DIR),
+        "config_dir": str(CONFIG_DIR),
+        "jobs_dir": str(JOBS_DIR),
+    }
+
+
+def run(args: argparse.Namespace) -> Result:
+    table = as_dict()
+    width = max(map(len, table))
+    return Result(table, "\n".join(f"{k:<{width}}  {v}" for k, v in table.items()))
+
+
+def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    cmd = subparsers.add_parser(
+        "paths",
+        parents=[common],
+        help="where the user, code, venv, state, logs and jobs live (fixed; not options)",
+        description=__doc__.split("\n\n")[0],
+    )
+    cmd.set_defaults(func=run)
