@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from oldgpu import data
+from oldgpu import data, subcommand
 from oldgpu.output import EngineError, Result
 
 REQUIRES = ("torch", "transformers", "tokenizers", "pyarrow")
@@ -248,19 +248,15 @@ def _importable(name: str) -> bool:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "smoke-assets",
-        parents=[common],
-        help="build a tiny Qwen2 and a GSM8K-shaped data set offline, for smoke runs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    summary = "build a tiny Qwen2 and a GSM8K-shaped data set offline, for smoke runs"
+    parser = subcommand.add(
+        subparsers, common, "smoke-assets", run, __doc__, help=summary, whole_doc=True
     )
     parser.add_argument("--out", type=Path, required=True, help="writes OUT/{model,raw,data}")
     parser.add_argument(
         "--rows", type=int, default=DEFAULT_ROWS, help=f"problems in all (default {DEFAULT_ROWS})"
     )
     parser.add_argument("--seed", type=int, default=0, help="default 0")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> Result:
