@@ -55,13 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOME = Path(os.environ.get("BENCH_HOME", ROOT / ".device" / "bench"))
 PYTHON = os.environ.get("BENCH_PYTHON", sys.executable)
 
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+PAD, IM_END = "<|endoftext|>", "<|im_end|>"  # as oldgpu.smoke's tokenizer names them
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 # Model shapes. bench = Qwen2.5-0.5B's config.json; the tokenizer is smaller than its
@@ -173,30 +167,9 @@ def problem(rng: random.Random) -> dict[str, str]:
 
 
 def build_tokenizer(texts: list[str], vocab: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from oldgpu import smoke  # the smoke model's tokenizer: ChatML, byte-level BPE
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        min_frequency=2,
-        special_tokens=[PAD, IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
-        clean_up_tokenization_spaces=False,
-    )
+    return smoke.build_tokenizer(texts, vocab=vocab, max_length=32768)
 
 
 def prompt_tokens(tokenizer: Any, content: str) -> int:
