@@ -1,5 +1,9 @@
-"""What a Pascal GPU lacks, turned off: TF32, SDPA's flash and cuDNN kernels, Inductor and
-Triton, and memory beyond the card's (the caching allocator's cap)."""
+"""What the profile's GPU lacks, turned off in torch and Triton.
+
+TF32 and SDPA's flash and cuDNN kernels (sm80+), Inductor and Triton kernels (CC 7.0+ for
+Triton; they raise Inductor's own error), and memory beyond the card's (the caching
+allocator's cap).
+"""
 
 from __future__ import annotations
 
