@@ -1,8 +1,11 @@
-"""Shared fixtures: the real verl sdist, downloaded once and unpacked fresh per test."""
+"""Shared fixtures and helpers: the real verl sdist (downloaded once, unpacked fresh per
+test), the CLI with only the commands under test, a Python run inside a verl tree, and
+the model config the planner reads."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -10,10 +13,23 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from oldgpu import pins
+from oldgpu import cli, pins
+
+QWEN05B_CONFIG = {  # Qwen2.5-0.5B's public config.json, the fields the planner reads
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+}
 
 
 def _cache_dir() -> Path:
@@ -84,3 +100,33 @@ def tree_state(root: Path) -> dict[str, tuple[str, int]]:
     return {
         rel: (digest, (root / rel).stat().st_mtime_ns) for rel, digest in tree_hashes(root).items()
     }
+
+
+def cli_runner(monkeypatch, capsys, modules: tuple[str, ...], *head: str):
+    """``oldgpu.cli.main`` with only ``modules`` (others may be half-built), as a function:
+    ``run(*argv) -> (exit code, output, stderr)``, ``head`` put before ``argv`` and the
+    output parsed when ``--json`` is among them."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", modules)
+
+    def run(*argv: str) -> tuple[int, Any, str]:
+        argv = (*head, *argv)
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, json.loads(out) if "--json" in argv else out, err
+
+    return run
+
+
+def run_in_tree(tree: Path, script: str) -> subprocess.CompletedProcess:
+    """``python -c script`` in ``tree`` with only it on the path, no GPU, no OLDGPU_ variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLDGPU_")}
+    env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )

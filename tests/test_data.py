@@ -41,6 +41,19 @@ def sources(tmp_path: Path) -> tuple[Path, Path]:
     )
 
 
+def run_offline(script: str, *args: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    """``python -c script args`` with Hugging Face offline and its datasets cache in ``cache``."""
+    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env={**os.environ, **offline, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, dict]:
     code = cli.main(["data", "gsm8k", *argv, "--json"])
     return code, json.loads(capsys.readouterr().out)
@@ -115,17 +128,8 @@ ds = datasets.load_dataset("json", data_files=sys.argv[1], split="train")
 ds = ds.map(function=make_map_fn("train"), with_indices=True)
 ds.to_parquet(sys.argv[2])
 """
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env["HF_DATASETS_CACHE"] = str(tmp_path / "hf-cache")
     ref = tmp_path / "verl-train.parquet"
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(train), str(ref)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
+    proc = run_offline(script, str(train), str(ref), cache=tmp_path / "hf-cache")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, theirs = pq.read_table(tmp_path / "ours" / "train.parquet"), pq.read_table(ref)
     assert ours.schema.equals(theirs.schema, check_metadata=True)  # datasets features too
@@ -241,16 +245,13 @@ for row in ds:
     assert default_compute_score(row["data_source"], "#### 123456", truth) == 0.0
 print(len(ds))
 """
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env.update(PYTHONPATH=str(verl_pristine), PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
-    env["HF_DATASETS_CACHE"] = str(tmp_path / "hf-cache")
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "o" / "train.parquet")],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
+    proc = run_offline(
+        script,
+        str(tmp_path / "o" / "train.parquet"),
+        cache=tmp_path / "hf-cache",
+        PYTHONPATH=str(verl_pristine),
+        PYTHONDONTWRITEBYTECODE="1",
+        CUDA_VISIBLE_DEVICES="",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^4$", proc.stdout, re.M)

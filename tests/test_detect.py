@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import stat
 from pathlib import Path
 
 import pytest
+from conftest import cli_runner
 
-from oldgpu import cli, detect
+from oldgpu import detect
 from oldgpu.output import EngineError
 
 DATA = Path(__file__).parent / "data"
@@ -32,6 +32,19 @@ GPU_KEYS = {
     "driver_version",
 }
 
+# The recorded P40's fields both tools report alike (they differ in source and driver).
+P40 = {
+    "index": 0,
+    "name": "Tesla P40",
+    "chip": "GP102GL",
+    "pci_id": "10de:1b38",
+    "bus_id": "0000:04:00.0",
+    "architecture": "pascal",
+    "compute_capability": "6.1",
+    "compute_capability_tuple": [6, 1],
+    "memory_mib": 24576,
+}
+
 
 @pytest.fixture(scope="module")
 def db() -> dict[tuple[str, str], str]:
@@ -40,15 +53,7 @@ def db() -> dict[tuple[str, str], str]:
 
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
-    """``oldgpu.cli.main`` with only the commands under test (others may be half-built)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("oldgpu.detect", "oldgpu.profile"))
-
-    def _run(*argv: str) -> tuple[int, str, str]:
-        code = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return _run
+    return cli_runner(monkeypatch, capsys, ("oldgpu.detect", "oldgpu.profile"))
 
 
 def smi(name: str, db) -> list[detect.Gpu]:
@@ -177,19 +182,7 @@ def test_memory_for_model(name, mib):
 
 def test_nvidia_smi_p40(db):
     [gpu] = smi("p40.nvidia-smi.csv", db)
-    assert gpu.to_dict() == {
-        "index": 0,
-        "name": "Tesla P40",
-        "chip": "GP102GL",
-        "pci_id": "10de:1b38",
-        "bus_id": "0000:04:00.0",
-        "architecture": "pascal",
-        "compute_capability": "6.1",
-        "compute_capability_tuple": [6, 1],
-        "memory_mib": 24576,
-        "source": "nvidia-smi",
-        "driver_version": "535.183.01",
-    }
+    assert gpu.to_dict() == {**P40, "source": "nvidia-smi", "driver_version": "535.183.01"}
 
 
 @pytest.mark.parametrize(
@@ -275,19 +268,7 @@ def test_nvidia_smi_empty():
 
 def test_lspci_p40(db):
     [gpu] = pci("p40.lspci.txt", db)  # the Matrox BMC VGA is not NVIDIA's
-    assert gpu.to_dict() == {
-        "index": 0,
-        "name": "Tesla P40",
-        "chip": "GP102GL",
-        "pci_id": "10de:1b38",
-        "bus_id": "0000:04:00.0",
-        "architecture": "pascal",
-        "compute_capability": "6.1",
-        "compute_capability_tuple": [6, 1],
-        "memory_mib": 24576,
-        "source": "lspci",
-        "driver_version": None,
-    }
+    assert gpu.to_dict() == {**P40, "source": "lspci", "driver_version": None}
 
 
 def test_lspci_unnamed_device_needs_the_db(db):
@@ -390,7 +371,7 @@ def test_detect_falls_back_to_lspci_when_nvidia_smi_fails():
 
 
 def test_cli_detect_json(run_cli):
-    code, out, _ = run_cli(
+    code, report, _ = run_cli(
         "detect",
         "--json",
         "--nvidia-smi-file",
@@ -401,7 +382,6 @@ def test_cli_detect_json(run_cli):
         str(EXCERPT),
     )
     assert code == 0
-    report = json.loads(out)
     assert report["sources"] == {"nvidia-smi": "ok", "lspci": "ok", "pci_ids": str(EXCERPT)}
     assert [g["architecture"] for g in report["gpus"]] == ["pascal", "volta"]
     assert all(set(g) == GPU_KEYS for g in report["gpus"])
@@ -424,13 +404,13 @@ def test_cli_detect_text(run_cli):
 def test_cli_detect_no_gpu(run_cli, files):
     code, out, _ = run_cli("detect", "--json", "--pci-ids", str(EXCERPT), *files)
     assert code == 0
-    assert json.loads(out)["gpus"] == []
+    assert out["gpus"] == []
 
 
 def test_cli_detect_missing_file(run_cli, tmp_path):
     code, out, _ = run_cli("detect", "--json", "--lspci-file", str(tmp_path / "nope"))
     assert code == EngineError.code
-    assert json.loads(out)["error"] == "detect-input-unreadable"
+    assert out["error"] == "detect-input-unreadable"
 
 
 def _fake_tool(directory: Path, name: str, script: str) -> None:

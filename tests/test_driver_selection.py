@@ -7,11 +7,10 @@ contract that roles/oldgpu_engine/tasks/profile.yml turns into a failed play.
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from conftest import cli_runner
 
-from oldgpu import cli, profile
+from oldgpu import profile
 from oldgpu.output import EngineError
 
 # The table: Kepler -> 470; Maxwell/Pascal/Volta -> 535 or 580 with the
@@ -160,14 +159,7 @@ def test_no_gpu_installs_the_default_and_requires_nothing():
 
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("oldgpu.detect", "oldgpu.profile"))
-
-    def _run(*argv: str) -> tuple[int, dict, str]:
-        code = cli.main(["profile", "--json", *argv])
-        out, err = capsys.readouterr()
-        return code, json.loads(out), err
-
-    return _run
+    return cli_runner(monkeypatch, capsys, ("oldgpu.detect", "oldgpu.profile"), "profile", "--json")
 
 
 @pytest.mark.parametrize(

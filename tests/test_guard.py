@@ -18,7 +18,7 @@ import pytest
 from oldgpu import guard
 from oldgpu.output import EngineError
 
-SRC = Path(guard.__file__).resolve().parents[1]
+SRC = guard.SITE_DIR.parents[1]  # src/, on the child processes' path
 
 
 # -- the policy (no torch needed) -------------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import QWEN05B_CONFIG
 
 from oldgpu import jobs, profile
 from oldgpu.output import EngineError
@@ -19,17 +20,7 @@ DETECT = ROOT / "tests/data/detect"
 START = ROOT / "files/bin/verl-train"
 SPECS = ROOT / "roles/verl_jobs/meta/argument_specs.yml"
 
-QWEN05B = {  # Qwen2.5-0.5B's public config.json, the fields the planner reads
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "intermediate_size": 4864,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 32768,
-}
+QWEN05B = QWEN05B_CONFIG
 GPUS = {  # recorded nvidia-smi and lspci output
     "p40": ("p40.nvidia-smi.csv", "p40.lspci.txt"),
     "v100": ("v100.nvidia-smi.csv", "v100.lspci.txt"),

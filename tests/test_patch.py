@@ -5,14 +5,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from conftest import tree_hashes, tree_state
+from conftest import run_in_tree, tree_hashes, tree_state
 
 from oldgpu import cli
 from oldgpu import patch as patcher
@@ -165,28 +162,14 @@ def _import_script(force_cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def _run_python(tree: Path, script: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OLDGPU_")}
-    env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-
-
 @needs_torch
 def test_patched_package_imports_without_flash_attn(verl_tree: Path, capsys) -> None:
-    pristine = _run_python(verl_tree, _import_script(force_cuda=True))
+    pristine = run_in_tree(verl_tree, _import_script(force_cuda=True))
     assert pristine.returncode != 0 and "flash_attn" in pristine.stderr  # the test bites
     run_cli(capsys, str(verl_tree))
-    plain = _run_python(verl_tree, "import verl.workers.fsdp_workers\n" + _import_script(False))
+    plain = run_in_tree(verl_tree, "import verl.workers.fsdp_workers\n" + _import_script(False))
     assert plain.returncode == 0, plain.stderr[-3000:]
-    forced = _run_python(verl_tree, _import_script(force_cuda=True))
+    forced = run_in_tree(verl_tree, _import_script(force_cuda=True))
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert forced.stdout.strip().splitlines()[-1] == "verl.utils.oldgpu_compat"
 

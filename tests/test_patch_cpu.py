@@ -5,13 +5,10 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import tree_hashes, tree_state
+from conftest import run_in_tree, tree_hashes, tree_state
 
 from oldgpu import cli
 from oldgpu import patch as patcher
@@ -193,20 +190,6 @@ def test_cpu_site_not_found_changes_nothing(verl_tree: Path, capsys) -> None:
     assert code == 0
 
 
-def _run_python(tree: Path, script: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OLDGPU_")}
-    env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-
-
 RUNTIME_SCRIPT = """
 import os, sys
 import torch
@@ -268,10 +251,10 @@ print("ok")
 
 @needs_torch
 def test_patched_tree_runs_on_cpu(verl_tree: Path, tmp_path: Path, capsys) -> None:
-    pristine = _run_python(verl_tree, "from verl.utils import device; device.get_nccl_backend()")
+    pristine = run_in_tree(verl_tree, "from verl.utils import device; device.get_nccl_backend()")
     assert pristine.returncode != 0 and "No available nccl backend" in pristine.stderr  # bites
     run_cli(capsys, str(verl_tree), "--profile", "cpu")
-    proc = _run_python(verl_tree, RUNTIME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "pg"))))
+    proc = run_in_tree(verl_tree, RUNTIME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "pg"))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-2:] == ["[('gen', 2.0), ('step', 3.0)]", "ok"]

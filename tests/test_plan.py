@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from conftest import QWEN05B_CONFIG
 
 from oldgpu import cli, plan
 from oldgpu.output import EngineError
@@ -69,18 +70,7 @@ def test_untied_model_counts_its_lm_head():
 
 
 def test_model_dir_reads_config_json(tmp_path):
-    config = {
-        "model_type": "qwen2",
-        "hidden_size": 896,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 32768,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN05B_CONFIG))
     assert plan.load_model_dir(tmp_path) == QWEN05
 
 

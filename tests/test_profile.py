@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cli_runner
 
-from oldgpu import cli, detect, profile
+from oldgpu import detect, profile
 from oldgpu.output import EngineError
 
 DATA = Path(__file__).parent / "data"
@@ -52,15 +53,7 @@ TORCH_KEYS = {
 
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
-    """``oldgpu.cli.main`` with only the commands under test (others may be half-built)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("oldgpu.detect", "oldgpu.profile"))
-
-    def _run(*argv: str) -> tuple[int, Any, str]:
-        code = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return code, json.loads(out) if "--json" in argv else out, err
-
-    return _run
+    return cli_runner(monkeypatch, capsys, ("oldgpu.detect", "oldgpu.profile"))
 
 
 def gpus(*records: str) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from oldgpu import subcommand
 from oldgpu.output import EngineError, Result
 
 # The CLI re-runs a command under the training venv when these are missing here.
@@ -250,24 +251,14 @@ def gsm8k(train: Path, test: Path, out: Path) -> dict[str, Any]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "data",
-        parents=[common],
-        help="turn a data set as published into verl's parquet layout",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "turn a data set as published into verl's parquet layout"
+    parser = subcommand.add(subparsers, common, "data", None, __doc__, help=summary)
     kinds = parser.add_subparsers(dest="dataset", required=True)
-    g = kinds.add_parser(
-        "gsm8k",
-        parents=[common],
-        help="GSM8K (jsonl or parquet with question/answer) -> train/test.parquet",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "GSM8K (jsonl or parquet with question/answer) -> train/test.parquet"
+    g = subcommand.add(kinds, common, "gsm8k", run, __doc__, help=summary, whole_doc=True)
     g.add_argument("--train", type=Path, required=True, help="the train split as published")
     g.add_argument("--test", type=Path, required=True, help="the test split as published")
     g.add_argument("--out", type=Path, required=True, help="writes OUT/{train,test}.parquet")
-    g.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> Result:

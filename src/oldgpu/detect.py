@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from oldgpu import subcommand
 from oldgpu.output import EngineError, Result
 
 NVIDIA_VENDOR = "10de"
@@ -516,8 +517,8 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "detect", parents=[common], help="the NVIDIA GPUs of this host", description=__doc__
+    summary = "the NVIDIA GPUs of this host"
+    parser = subcommand.add(
+        subparsers, common, "detect", run, __doc__, help=summary, whole_doc=True
     )
     add_source_args(parser)
-    parser.set_defaults(func=run)

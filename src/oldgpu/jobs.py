@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, paths, profile, recipe
+from oldgpu import detect, paths, profile, recipe, subcommand
 from oldgpu import plan as planner
 from oldgpu.output import EngineError, Result
 
@@ -540,23 +540,23 @@ def run_fields(args: argparse.Namespace) -> Result:
     return Result(doc, text)
 
 
+def add_dir_args(parser: argparse.ArgumentParser, *dirs: str) -> None:
+    """The hidden ``--jobs-dir``/``--state-dir``/``--log-dir`` (tests point them elsewhere)."""
+    defaults = {"jobs": JOBS_DIR, "state": STATE_DIR, "log": LOG_DIR}
+    for name in dirs:
+        parser.add_argument(f"--{name}-dir", default=str(defaults[name]), help=argparse.SUPPRESS)
+
+
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "job",
-        parents=[common],
-        help="a training job's settings and the verl command they make",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "a training job's settings and the verl command they make"
+    parser = subcommand.add(subparsers, common, "job", None, __doc__, help=summary)
     sub = parser.add_subparsers(dest="job_command", required=True)
-    cmd = sub.add_parser(
-        "command",
-        parents=[common],
-        help="the profile, the plan and verl's argv for a job on this host",
-    )
+    summary = "the profile, the plan and verl's argv for a job on this host"
+    cmd = subcommand.add(sub, common, "command", run_command, help=summary)
     source = cmd.add_mutually_exclusive_group()
     source.add_argument("--name", help=f"a job under --jobs-dir (default {JOBS_DIR})")
     source.add_argument("--env-file", metavar="FILE", help="a job's env file")
-    cmd.add_argument("--jobs-dir", default=str(JOBS_DIR), help=argparse.SUPPRESS)
+    add_dir_args(cmd, "jobs")
     cmd.add_argument(
         "--print0",
         action="store_true",
@@ -566,9 +566,6 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--write-plan", action="store_true", help="also save the result as the job's plan.json"
     )
     detect.add_source_args(cmd)
-    cmd.set_defaults(func=run_command)
-    env = sub.add_parser("env", parents=[common], help="render a job's env file from JSON")
+    env = subcommand.add(sub, common, "env", run_env, help="render a job's env file from JSON")
     env.add_argument("spec", help="a JSON object with the job's settings, or - for stdin")
-    env.set_defaults(func=run_env)
-    fields = sub.add_parser("fields", parents=[common], help="the settings a job has")
-    fields.set_defaults(func=run_fields)
+    subcommand.add(sub, common, "fields", run_fields, help="the settings a job has")

@@ -12,6 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from oldgpu import subcommand
 from oldgpu.output import EngineError, Result
 
 # Run inside the venv's interpreter: its distributions, by normalised name.
@@ -80,13 +81,11 @@ def compare(lock: dict[str, str], have: dict[str, str], ignore: set[str] = froze
 
 
 def add_parser(subparsers, common) -> None:
-    p = subparsers.add_parser(
-        "lock-check", parents=[common], help="compare a venv with a lock (exit 1 if they differ)"
-    )
+    summary = "compare a venv with a lock (exit 1 if they differ)"
+    p = subcommand.add(subparsers, common, "lock-check", run, help=summary)
     p.add_argument("lock", type=Path)
     p.add_argument("--python", required=True, help="the venv's interpreter")
     p.add_argument("--ignore", action="append", default=[], help="a package the lock may not list")
-    p.set_defaults(func=run)
 
 
 def run(args) -> Result:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import jobs, status
+from oldgpu import jobs, status, subcommand
 from oldgpu.output import EngineError, Result
 
 REQUIRES = ("tensorboard", "matplotlib")
@@ -171,12 +171,8 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "plot",
-        parents=[common],
-        help="a job's reward, KL, losses and throughput over steps, as a PNG",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "a job's reward, KL, losses and throughput over steps, as a PNG"
+    parser = subcommand.add(subparsers, common, "plot", run, __doc__, help=summary)
     parser.add_argument("job", metavar="JOB", help="the job's name")
     parser.add_argument(
         "--out", metavar="FILE.png", help=f"where to write it (default <state>/{DEFAULT_NAME})"
@@ -186,6 +182,4 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="read the event files here (default <state>/tensorboard)",
     )
-    parser.add_argument("--jobs-dir", default=str(jobs.JOBS_DIR), help=argparse.SUPPRESS)
-    parser.add_argument("--state-dir", default=str(jobs.STATE_DIR), help=argparse.SUPPRESS)
-    parser.set_defaults(func=run)
+    jobs.add_dir_args(parser, "jobs", "state")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from oldgpu import detect, pins
+from oldgpu import detect, pins, subcommand
 from oldgpu.output import EngineError, Result
 
 FLAVOURS = ("proprietary", "open")
@@ -410,11 +410,9 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "profile",
-        parents=[common],
-        help="what this host's GPUs need (driver, torch, dtype, attention, overrides)",
-        description=__doc__,
+    summary = "what this host's GPUs need (driver, torch, dtype, attention, overrides)"
+    parser = subcommand.add(
+        subparsers, common, "profile", run, __doc__, help=summary, whole_doc=True
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--arch", choices=sorted(PROFILES), help="profile of this architecture")
@@ -427,4 +425,3 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser.add_argument("--driver-branch", type=int, metavar="N", help="driver branch wanted")
     parser.add_argument("--driver-flavour", choices=FLAVOURS, help="kernel-module flavour wanted")
     detect.add_source_args(parser)
-    parser.set_defaults(func=run)

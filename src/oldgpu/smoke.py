@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from oldgpu import data
+from oldgpu import data, subcommand
 from oldgpu.output import EngineError, Result
 
 REQUIRES = ("torch", "transformers", "tokenizers", "pyarrow")
@@ -119,7 +119,10 @@ def _corpus(splits: dict[str, list[dict[str, str]]]) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str]) -> Any:
+def build_tokenizer(
+    texts: list[str], vocab: int = VOCAB_TARGET, max_length: int = MAX_POSITIONS
+) -> Any:
+    """A byte-level BPE trained on ``texts``, speaking ChatML (bench/ppo_bench.py's too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,7 +131,7 @@ def build_tokenizer(texts: list[str]) -> Any:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_TARGET,
+        vocab_size=vocab,
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes
@@ -141,7 +144,7 @@ def build_tokenizer(texts: list[str]) -> Any:
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START, EOS_TOKEN],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
 
@@ -248,19 +251,15 @@ def _importable(name: str) -> bool:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "smoke-assets",
-        parents=[common],
-        help="build a tiny Qwen2 and a GSM8K-shaped data set offline, for smoke runs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    summary = "build a tiny Qwen2 and a GSM8K-shaped data set offline, for smoke runs"
+    parser = subcommand.add(
+        subparsers, common, "smoke-assets", run, __doc__, help=summary, whole_doc=True
     )
     parser.add_argument("--out", type=Path, required=True, help="writes OUT/{model,raw,data}")
     parser.add_argument(
         "--rows", type=int, default=DEFAULT_ROWS, help=f"problems in all (default {DEFAULT_ROWS})"
     )
     parser.add_argument("--seed", type=int, default=0, help="default 0")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> Result:

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from oldgpu import jobs
+from oldgpu import jobs, subcommand
 from oldgpu.output import EngineError, Result
 
 REQUIRES = ("tensorboard",)
@@ -463,14 +463,7 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "status",
-        parents=[common],
-        help="each training job's unit, step, rate, reward, KL and last checkpoint",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "each training job's unit, step, rate, reward, KL and last checkpoint"
+    parser = subcommand.add(subparsers, common, "status", run, __doc__, help=summary)
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="jobs to show (default: all)")
-    parser.add_argument("--jobs-dir", default=str(jobs.JOBS_DIR), help=argparse.SUPPRESS)
-    parser.add_argument("--state-dir", default=str(jobs.STATE_DIR), help=argparse.SUPPRESS)
-    parser.add_argument("--log-dir", default=str(jobs.LOG_DIR), help=argparse.SUPPRESS)
-    parser.set_defaults(func=run)
+    jobs.add_dir_args(parser, "jobs", "state", "log")
