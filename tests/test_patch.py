@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 
