@@ -136,7 +136,7 @@ LEARN = (
 # Issue 14's recipe fields (another change adds them to jobs.FIELDS; until then these
 # settings say what they lack). n and the LoRA numbers are verl's GRPO/LoRA examples'.
 GRPO = {"algorithm": "grpo", "rollout_n": 4, "kl_loss_coef": 0.001}
-LORA = {"lora_rank": 32, "lora_alpha": 32, "lora_target_modules": "all-linear"}
+LORA = {"lora_rank": 32, "lora_alpha": 32, "lora_target_modules": []}  # empty: all-linear
 
 SETTINGS: dict[str, Setting] = {
     s.name: s

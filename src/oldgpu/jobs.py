@@ -308,11 +308,17 @@ def plan_inputs(
         rollout=prof["rollout"],
         device=prof["device"],
         target_train_batch=job.train_batch_size or None,
-        critic=recipe.uses_critic(job.algorithm),
-        ref=recipe.needs_ref(job),
-        rollout_n=job.rollout_n,
         model_name=job.model_path,
         profile_name=prof["name"],
+        # The recipe, validated by the planner (it owns which estimator has a critic).
+        **planner.recipe_fields(
+            algorithm=job.algorithm,
+            rollout_n=job.rollout_n,
+            lora_rank=job.lora_rank,
+            lora_alpha=job.lora_alpha,
+            lora_target_modules=job.lora_target_modules,
+            ref=recipe.needs_ref(job),
+        ),
     )
 
 

@@ -29,24 +29,32 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from oldgpu.plan.recipes import uses_critic as estimator_uses_critic
+
 
 @dataclass(frozen=True)
 class Algorithm:
-    critic: bool  # verl builds a critic (and the planner counts one)
+    name: str
     min_rollout_n: int
     about: str
 
+    @property
+    def critic(self) -> bool:
+        """Whether verl builds a critic: the planner's table owns that fact."""
+        return estimator_uses_critic(self.name)
 
-# fmt: off
+
 ALGORITHMS: dict[str, Algorithm] = {
-    "gae": Algorithm(True, 1, "PPO with a critic (GAE advantages)"),
-    "grpo": Algorithm(False, 2, "group-relative: each response against its prompt's group"),
-    "rloo": Algorithm(False, 2, "REINFORCE, leave-one-out baseline of the prompt's group"),
-    "reinforce_plus_plus_baseline": Algorithm(False, 2, "REINFORCE++, group-mean baseline"),
-    "reinforce_plus_plus": Algorithm(False, 1, "REINFORCE++, batch-whitened returns"),
-    "remax": Algorithm(False, 1, "ReMax: a greedy response per prompt as the baseline"),
+    a.name: a
+    for a in (
+        Algorithm("gae", 1, "PPO with a critic (GAE advantages)"),
+        Algorithm("grpo", 2, "group-relative: each response against its prompt's group"),
+        Algorithm("rloo", 2, "REINFORCE, leave-one-out baseline of the prompt's group"),
+        Algorithm("reinforce_plus_plus_baseline", 2, "REINFORCE++, group-mean baseline"),
+        Algorithm("reinforce_plus_plus", 1, "REINFORCE++, batch-whitened returns"),
+        Algorithm("remax", 1, "ReMax: a greedy response per prompt as the baseline"),
+    )
 }
-# fmt: on
 DEFAULT_ALGORITHM = "gae"
 ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -73,7 +81,7 @@ def parse_float(name: str, value: Any) -> tuple[float | None, str | None]:
 
 
 def uses_critic(algorithm: str) -> bool:
-    return ALGORITHMS[algorithm].critic
+    return estimator_uses_critic(algorithm)
 
 
 def problems(values: Mapping[str, Any]) -> list[str]:
