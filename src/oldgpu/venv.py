@@ -292,6 +292,10 @@ def _serialised(venvs: Path) -> Iterator[None]:
 
 def ensure(v: Venv, *, check: bool = False, imports: Sequence[str] = KEY_PACKAGES) -> dict:
     """Make ``v.link`` point at a verified venv of the lock; with ``check``, only report."""
+    # The venv is judged by what it holds: a caller's PYTHONPATH (scripts/engine-venv.sh
+    # runs the engine from src/, next to an egg-info) must not leak into pip or the checks.
+    for name in ("PYTHONPATH", "PYTHONHOME"):
+        os.environ.pop(name, None)
     if check:
         return _ensure(v, check=True, imports=imports)
     v.venvs.mkdir(parents=True, exist_ok=True)
