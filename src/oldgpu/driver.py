@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oldgpu import pins
+from oldgpu import pins, subcommand
 from oldgpu.output import EngineError, Result
 from oldgpu.versions import compare_versions, version_tuple
 
@@ -538,12 +538,8 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "driver",
-        parents=[common],
-        help="the NVIDIA driver: installed, loaded, built by DKMS per kernel, reboot, CUDA fit",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "the NVIDIA driver: installed, loaded, built by DKMS per kernel, reboot, CUDA fit"
+    parser = subcommand.add(subparsers, common, "driver", run, __doc__, help=summary)
     recorded = parser.add_argument_group("recorded inputs (given any, the host is not asked)")
     recorded.add_argument(
         "--dpkg-file", metavar="FILE", help=f"output of dpkg-query -W -f '{DPKG_FORMAT}'"
@@ -562,7 +558,6 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cuda", metavar="X.Y", help="judge the fit for this CUDA (default: the pinned one)"
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> Result:

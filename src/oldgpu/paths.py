@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from oldgpu import subcommand
 from oldgpu.output import Result
 
 # The unprivileged account the jobs run as (the unit's User= and Group=).
@@ -81,10 +82,5 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    cmd = subparsers.add_parser(
-        "paths",
-        parents=[common],
-        help="where the user, code, venv, state, logs and jobs live (fixed; not options)",
-        description=__doc__.split("\n\n")[0],
-    )
-    cmd.set_defaults(func=run)
+    summary = "where the user, code, venv, state, logs and jobs live (fixed; not options)"
+    subcommand.add(subparsers, common, "paths", run, __doc__, help=summary)

@@ -19,6 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
+from oldgpu import subcommand
 from oldgpu.output import EngineError, Result
 
 
@@ -110,17 +111,12 @@ def describe(doc: dict) -> str:
 
 
 def add_parser(subparsers, common) -> None:
-    p = subparsers.add_parser(
-        "switch",
-        parents=[common],
-        help="point a link at a built tree atomically and prune older trees",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "point a link at a built tree atomically and prune older trees"
+    p = subcommand.add(subparsers, common, "switch", run, __doc__, help=summary)
     p.add_argument("link", type=Path, help="the symlink jobs use")
     p.add_argument("target", type=Path, help="the verified tree it should point at")
     p.add_argument("--keep", help="older sibling trees of TARGET to keep (default: prune none)")
     p.add_argument("--check", action="store_true", help="report what would change, change nothing")
-    p.set_defaults(func=run)
 
 
 def run(args) -> Result:

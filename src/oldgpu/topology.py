@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from oldgpu import subcommand
 from oldgpu.output import EngineError, Result
 from oldgpu.topo_matrix import LINKS, NVLINK, P2P_CODES, Topology, decode, parse
 
@@ -368,11 +369,9 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "topology",
-        parents=[common],
-        help="how the GPUs are wired, and the NCCL settings a job on them needs",
-        description=__doc__,
+    summary = "how the GPUs are wired, and the NCCL settings a job on them needs"
+    parser = subcommand.add(
+        subparsers, common, "topology", run, __doc__, help=summary, whole_doc=True
     )
     parser.add_argument("--topo-file", metavar="FILE", help="output of nvidia-smi topo -m")
     parser.add_argument("--p2p-file", metavar="FILE", help="output of nvidia-smi topo -p2p r")
@@ -382,4 +381,3 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--ib-file", metavar="FILE", help="recorded `ls -1 /sys/class/infiniband` (empty: none)"
     )
     ib.add_argument("--ib-dir", metavar="DIR", default=IB_DIR, help=f"default {IB_DIR}")
-    parser.set_defaults(func=run)

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from oldgpu import lockcheck, switch
+from oldgpu import lockcheck, subcommand, switch
 from oldgpu.output import EngineError, Result
 
 # Checked by importing them: the packages whose version decides what runs.
@@ -344,18 +344,11 @@ def describe(doc: dict) -> str:
 
 
 def add_parser(subparsers, common) -> None:
-    parser = subparsers.add_parser(
-        "venv",
-        parents=[common],
-        help="the training venv of a lock: built, verified, switched in",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "the training venv of a lock: built, verified, switched in"
+    parser = subcommand.add(subparsers, common, "venv", None, __doc__, help=summary)
     sub = parser.add_subparsers(dest="venv_command", required=True)
-    p = sub.add_parser(
-        "ensure",
-        parents=[common],
-        help="build (if needed), verify and link in the venv of LOCK; prune older venvs",
-    )
+    summary = "build (if needed), verify and link in the venv of LOCK; prune older venvs"
+    p = subcommand.add(sub, common, "ensure", run_ensure, help=summary)
     p.add_argument("lock", type=Path, help="the whole-closure lock (name==version lines)")
     p.add_argument("dir", type=Path, help="holds venvs/<key> and the link venv")
     p.add_argument("--link", type=Path, help="the link jobs use (default DIR/venv)")
@@ -377,7 +370,6 @@ def add_parser(subparsers, common) -> None:
         help="a package installed into the venv later (verl), not in the lock",
     )
     p.add_argument("--check", action="store_true", help="report what would change, change nothing")
-    p.set_defaults(func=run_ensure)
 
 
 def run_ensure(args) -> Result:

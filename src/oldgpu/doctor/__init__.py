@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, profile
+from oldgpu import detect, profile, subcommand
 from oldgpu.doctor.checks import DEFAULT_MIN_FREE_GPU_MIB, DEFAULT_MIN_FREE_HOST_MIB, evaluate
 from oldgpu.doctor.facts import gather_facts
 from oldgpu.doctor.known_errors import explain
@@ -55,12 +55,8 @@ def render(report: Mapping[str, Any], facts: Mapping[str, Any] | None = None) ->
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "doctor",
-        parents=[common],
-        help=f"preflight: is this host ready to train verl? (exit {DOCTOR_FAILED} if not)",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = f"preflight: is this host ready to train verl? (exit {DOCTOR_FAILED} if not)"
+    parser = subcommand.add(subparsers, common, "doctor", run, __doc__, help=summary)
     parser.add_argument(
         "--python",
         metavar="VENV_PYTHON",
@@ -100,7 +96,6 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help=f"name the cause and fix of an error message (exit {EXPLAIN_UNKNOWN} if unknown)",
     )
     detect.add_source_args(parser)
-    parser.set_defaults(func=run)
 
 
 def _explain_result(text: str) -> Result:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from oldgpu import subcommand
 from oldgpu.output import EngineError, Result
 from oldgpu.patch.manifest import MANIFEST_NAME, check_tree
 from oldgpu.patch.options import ATTN_IMPLEMENTATIONS, COMPUTE_DTYPES, Options, profile_options
@@ -26,12 +27,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "patch",
-        parents=[common],
-        help="patch a verl tree for a profile (dtype, attention, flash-attn-free padding)",
-        description=(sys.modules[__package__].__doc__ or "").split("\n\n")[0],
-    )
+    summary = "patch a verl tree for a profile (dtype, attention, flash-attn-free padding)"
+    doc = sys.modules[__package__].__doc__
+    parser = subcommand.add(subparsers, common, "patch", run, doc, help=summary)
     parser.add_argument("dir", type=Path, help="verl checkout or unpacked sdist (holds verl/)")
     parser.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, help="default fp32")
     parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, help="default sdpa")
@@ -49,7 +47,6 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.add_argument(
         "--revert", action="store_true", help="restore every file byte for byte, remove added ones"
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> Result:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, profile
+from oldgpu import detect, profile, subcommand
 from oldgpu.output import EngineError, Result
 from oldgpu.plan import recipes
 from oldgpu.plan.explain import largest_payload, largest_text, payload, text
@@ -143,12 +143,9 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        parents=[common],
-        help="batch sizes, micro batches, checkpointing and offload that fit the GPU",
-        description=(sys.modules[__package__].__doc__ or "").split("\n\n")[0] or None,
-    )
+    summary = "batch sizes, micro batches, checkpointing and offload that fit the GPU"
+    doc = sys.modules[__package__].__doc__
+    parser = subcommand.add(subparsers, common, "plan", run, doc, help=summary)
     mem = parser.add_argument_group("memory")
     mem.add_argument("--gpu-mib", type=int, metavar="N", help="one GPU's memory (default: detect)")
     mem.add_argument("--host-mib", type=int, metavar="N", help="host memory budget (cpu profile)")
@@ -227,4 +224,3 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help=f"optimizer steps per PPO step to aim for (default {PPO_MINI_BATCHES})",
     )
     detect.add_source_args(parser)
-    parser.set_defaults(func=run)
