@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from oldgpu import __version__, paths
 from oldgpu.output import EngineError
 
-# Each module exposes ``add_parser(subparsers, common)`` (through ``oldgpu.subcommand.add``), which sets ``func(args) -> Result``.
+# Each module exposes ``add_parser(subparsers, common)`` (oldgpu.subcommand.add),
+# which sets ``func(args) -> Result``.
 COMMAND_MODULES = (
     "oldgpu.detect",
     "oldgpu.profile",
