@@ -1,8 +1,8 @@
 """``oldgpu venv ensure`` and ``oldgpu switch``: real venvs, real pip, tiny wheels.
 
-The wheels are made here (a wheel is a zip with a dist-info), so the tests run
-offline on any machine: pip installs them with --no-index from a temporary
-wheelhouse, into venvs of the interpreter running the tests.
+The wheels are made on the spot (tests/tinywheel.py), so the tests run offline
+on any machine: pip installs them with --no-index from a temporary wheelhouse,
+into venvs of the interpreter running the tests.
 """
 
 from __future__ import annotations
