@@ -138,7 +138,7 @@ let
   # Floats as the engine writes them (%g): Nix's JSON of a float is that text.
   envValue =
     f: v:
-    if f.type == "list" then
+    if f.type == "list" || f.type == "indices" then
       pythonJsonList v
     else if f.type == "float" then
       toJSON v

@@ -55,6 +55,9 @@ let
       float = types.number;
       bool = types.bool;
       list = types.listOf types.str;
+      # A GPU count or "all"; GPU indices (the engine checks both against the host).
+      count = types.either types.ints.positive (types.enum [ "all" ]);
+      indices = types.listOf types.ints.unsigned;
     }
     .${f.type};
 

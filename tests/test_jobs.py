@@ -69,6 +69,8 @@ def test_argument_specs_match_the_engines_fields():
             "float": "float",
             "list": "list",
             "bool": "bool",
+            "count": "raw",  # an int or "all"
+            "indices": "list",
         }
         assert opt["type"] == kind[field.kind], field.name
 

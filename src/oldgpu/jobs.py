@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, paths, profile, recipe, subcommand
+from oldgpu import detect, devices, paths, profile, recipe, subcommand, topology
 from oldgpu import plan as planner
 from oldgpu.output import EngineError, Result
 
@@ -47,7 +47,7 @@ FORBIDDEN = ("'", "\n", "\r", "\\")
 @dataclass(frozen=True)
 class Field:
     name: str  # as in the inventory / Nix option
-    kind: str  # str, path, int, float, list, bool
+    kind: str  # str, path, int, float, list, bool; count (an int or "all"), indices (ints)
     default: Any
     help: str
 
@@ -69,7 +69,8 @@ FIELDS: tuple[Field, ...] = (
     Field("total_steps", "int", REQUIRED, "trainer.total_training_steps"),
     Field("save_freq", "int", 10, "checkpoint every N steps (resume continues from the last)"),
     Field("test_freq", "int", -1, "validate every N steps (-1: never)"),
-    Field("gpus", "int", 1, "GPUs per node for this job"),
+    Field("gpus", "count", 1, "GPUs for this job: a number, or all (the cards of one profile)"),
+    Field("devices", "indices", [], "the GPUs (nvidia-smi indices) to run on (empty: the engine chooses)"),  # noqa: E501
     Field("prompt_length", "int", 256, "data.max_prompt_length (the planner's input)"),
     Field("response_length", "int", 256, "data.max_response_length (the planner's input)"),
     Field("train_batch_size", "int", 0, "a train batch to plan for (0: the planner chooses)"),
@@ -110,7 +111,8 @@ class Job:
     total_steps: int
     save_freq: int
     test_freq: int
-    gpus: int
+    gpus: int | str
+    devices: tuple[int, ...]
     prompt_length: int
     response_length: int
     train_batch_size: int
@@ -152,6 +154,10 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             raise _invalid(f"{field.name} is required ({field.help})")
         if field.kind == "int":
             value = _integer(field, value)
+        elif field.kind == "count":
+            value = _count(field, value)
+        elif field.kind == "indices":
+            value = _indices(field, value)
         elif field.kind == "float":
             value, problem = recipe.parse_float(field.name, value)
             if problem:
@@ -176,7 +182,7 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
         raise _invalid(
             f"name: {out['name']!r} must be 1-32 of a-z 0-9 _ - (it names a unit and a directory)"
         )
-    for key in ("total_steps", "gpus", "prompt_length", "response_length"):
+    for key in ("total_steps", "prompt_length", "response_length"):
         if out[key] < 1:
             raise _invalid(f"{key}: {out[key]} must be at least 1")
     if out["save_freq"] < 1:
@@ -205,6 +211,51 @@ def _integer(field: Field, value: Any) -> int:
         raise _invalid(f"{field.name}: {value!r} is not an integer") from None
 
 
+def _count(field: Field, value: Any) -> int | str:
+    """A GPU count: an integer of at least 1, or ``all``."""
+    if value == "all":
+        return "all"
+    try:
+        count = _integer(field, value)
+    except EngineError:
+        count = 0
+    if count < 1:
+        raise EngineError(
+            "gpus-invalid",
+            f"{field.name}: {value!r} is not a count of at least 1 or 'all'",
+            code=CONFIG_INVALID,
+        )
+    return count
+
+
+def _indices(field: Field, value: Any) -> tuple[int, ...]:
+    """GPU indices as nvidia-smi numbers them: whole numbers, each once."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise EngineError(
+            "devices-invalid",
+            f"{field.name}: expected a list of GPU indices, got {value!r}",
+            code=CONFIG_INVALID,
+        )
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int | str):
+            item = None
+        elif isinstance(item, str):
+            item = int(item) if item.strip().isdigit() else None
+        if item is None or item < 0:
+            raise EngineError(
+                "devices-invalid",
+                f"{field.name}: {list(value)!r} is not a list of GPU indices",
+                code=CONFIG_INVALID,
+            )
+        out.append(item)
+    if len(set(out)) != len(out):
+        raise EngineError(
+            "devices-invalid", f"{field.name}: {out} names a GPU twice", code=CONFIG_INVALID
+        )
+    return tuple(out)
+
+
 def _profile_name(name: str) -> tuple[str, str | None]:
     arch, _, cc = name.partition("-")
     return arch, cc or None
@@ -215,7 +266,7 @@ def render_env(job: Job) -> str:
     lines = [f"# verl training job {job.name}: read by verl-train@{job.name}.service"]
     for field in ENV_FIELDS:
         value = getattr(job, field.name)
-        if field.kind == "list":
+        if field.kind in ("list", "indices"):
             text = json.dumps(list(value))
         elif field.kind == "float":
             text = recipe.format_float(value)
@@ -249,7 +300,7 @@ def job_from_env(env: Mapping[str, str]) -> Job:
         if field.env not in env:
             continue
         raw = env[field.env]
-        if field.kind == "list":
+        if field.kind in ("list", "indices"):
             try:
                 values[field.name] = json.loads(raw or "[]")
             except json.JSONDecodeError as exc:
@@ -296,11 +347,16 @@ def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -
 
 
 def plan_inputs(
-    job: Job, prof: Mapping[str, Any], memory_mib: int, model_config: Mapping[str, Any]
+    job: Job,
+    prof: Mapping[str, Any],
+    memory_mib: int,
+    model_config: Mapping[str, Any],
+    gpus: int | None = None,
 ) -> planner.Inputs:
+    """The planner's inputs; ``gpus`` is the count of the chosen cards (FSDP shards over them)."""
     return planner.Inputs(
         memory_mib=int(memory_mib),
-        gpus=job.gpus,
+        gpus=_gpu_count(job) if gpus is None else gpus,
         shape=planner.shape_from_config(model_config),
         prompt_length=job.prompt_length,
         response_length=job.response_length,
@@ -322,6 +378,17 @@ def plan_inputs(
     )
 
 
+def _gpu_count(job: Job) -> int:
+    """The job's count when no cards were chosen (``all`` needs the host's cards)."""
+    if job.gpus == "all":
+        raise EngineError(
+            "gpus-all-needs-host",
+            "gpus: all counts this host's GPUs; compose it with the host's facts",
+            code=CONFIG_INVALID,
+        )
+    return int(job.gpus)
+
+
 def override_key(override: str) -> str:
     """The config key an override sets (``+a.b=1`` -> ``a.b``)."""
     return override.lstrip("~+").split("=", 1)[0]
@@ -341,7 +408,7 @@ def merge_overrides(*groups: Iterable[str]) -> list[str]:
     return list(merged.values())
 
 
-def job_overrides(job: Job, paths: Mapping[str, Path]) -> list[str]:
+def job_overrides(job: Job, paths: Mapping[str, Path], gpus: int | None = None) -> list[str]:
     """What the job itself decides: data, model, schedule, logging, resume."""
     critic = []
     if recipe.uses_critic(job.algorithm):
@@ -362,7 +429,7 @@ def job_overrides(job: Job, paths: Mapping[str, Path]) -> list[str]:
         f"trainer.save_freq={job.save_freq}",
         f"trainer.test_freq={job.test_freq}",
         "trainer.nnodes=1",
-        f"trainer.n_gpus_per_node={job.gpus}",
+        f"trainer.n_gpus_per_node={_gpu_count(job) if gpus is None else gpus}",
         "trainer.project_name=verl",
         f"trainer.experiment_name={job.name}",
         "trainer.logger=['console','tensorboard']",
@@ -379,10 +446,19 @@ def compose(
     memory_mib: int,
     model_config: Mapping[str, Any],
     environ: Mapping[str, str] | None = None,
+    cards: Sequence[int] | None = None,
+    nccl: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The planner's choice and verl's argv for this job on this profile."""
+    """The planner's choice and verl's argv for this job on this profile.
+
+    ``cards`` are the chosen GPUs (``choose_devices``): their count is
+    ``n_gpus_per_node`` and the planner's ``gpus``, and the job sees only them.
+    None (the cpu profile, or a caller without the host's facts): the job's own
+    count, and no CUDA variables. ``nccl`` is the topology's NCCL settings.
+    """
     paths = job.paths(environ)
-    found = planner.plan(plan_inputs(job, prof, memory_mib, model_config))
+    count = None if cards is None else len(cards)
+    found = planner.plan(plan_inputs(job, prof, memory_mib, model_config, count))
     plan_doc = planner.payload(found)
     argv = [
         "-m",
@@ -390,7 +466,7 @@ def compose(
         *merge_overrides(
             prof["hydra_overrides"],
             plan_doc["hydra_overrides"],
-            job_overrides(job, paths),
+            job_overrides(job, paths, count),
             recipe.overrides(job, prof),
             job.overrides,
         ),
@@ -402,7 +478,12 @@ def compose(
         "paths": {k: str(v) for k, v in paths.items()},
         "plan": plan_doc,
         "argv": argv,
-        "environment": environment(job, prof, paths),
+        "devices": None if cards is None else list(cards),
+        "environment": {
+            **environment(job, prof, paths),
+            **({} if cards is None else devices.visible_devices_env(cards)),
+            **(nccl or {}),
+        },
     }
 
 
@@ -459,25 +540,56 @@ def compose_for_host(
     environ: Mapping[str, str] | None = None,
     args: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
-    """``compose`` with this host's facts: its GPUs (unless the job's profile is cpu),
-    their memory or the host's, the model's config."""
-    if job.profile == "cpu":
-        gpus: list[Mapping[str, Any]] = []
-    else:
-        gpus = detect.detect_from_args(args or argparse.Namespace())["gpus"]
-    prof = resolve_profile(job, gpus)
-    if prof["device"] == "cuda" and not gpus:
-        raise _invalid(f"profile {prof['name']} needs a GPU and none was detected")
-    for key in ("train_files", "val_files"):
-        if not Path(getattr(job, key)).exists():
-            raise _invalid(f"{key}: {getattr(job, key)} does not exist")
+    """``compose`` with this host's facts: the job's cards (one profile's, unless the
+    job's profile is cpu), their profile and memory or the host's, the topology
+    between the cards, the model's config."""
+    args = args or argparse.Namespace()
+    cards: list[int] | None = None
+    nccl: dict[str, str] = {}
     try:
-        return compose(job, prof, _memory_mib(prof, gpus), _model_config(job), environ)
+        if job.profile == "cpu":
+            gpus: list[Mapping[str, Any]] = []
+        else:
+            gpus = detect.detect_from_args(args)["gpus"]
+        prof = resolve_profile(job, gpus)
+        if prof["device"] == "cuda" and not gpus:
+            raise _invalid(f"profile {prof['name']} needs a GPU and none was detected")
+        if prof["device"] == "cuda":
+            cards = devices.choose_devices(
+                gpus,
+                devices.gpu_profiles(gpus),
+                job.gpus,
+                list(job.devices) or None,
+                profile=job.profile or None,
+            )
+            gpus = [g for g in gpus if g["index"] in cards]
+            if not job.profile:
+                prof = profile.profile_for_gpus(gpus)
+            if len(cards) > 1:
+                nccl = _nccl_env(cards, args)
+        for key in ("train_files", "val_files"):
+            if not Path(getattr(job, key)).exists():
+                raise _invalid(f"{key}: {getattr(job, key)} does not exist")
+        return compose(job, prof, _memory_mib(prof, gpus), _model_config(job), environ, cards, nccl)
     except EngineError as exc:
-        if exc.code == CONFIG_INVALID:
+        if exc.code == CONFIG_INVALID or exc.name.startswith("topology-"):
             raise
-        # The planner refusing (does not fit) is a config error too: restarting won't help.
+        # The planner refusing (does not fit), or the host lacking the cards the job
+        # asks for, is a config error too: restarting won't help.
         raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
+
+
+def _nccl_env(cards: Sequence[int], args: argparse.Namespace) -> dict[str, str]:
+    """NCCL's settings for a job on several cards, from the host's topology
+    (or the recorded ``--topo-file``/``--p2p-file``/``--ib-dir``)."""
+    given = argparse.Namespace(
+        topo_file=getattr(args, "topo_file", None),
+        p2p_file=getattr(args, "p2p_file", None),
+        gpus=",".join(map(str, cards)),
+        ib_file=None,
+        ib_dir=getattr(args, "ib_dir", None) or topology.IB_DIR,
+    )
+    return dict(topology.from_args(given)["nccl_env"])
 
 
 def _read_job(args: argparse.Namespace) -> Job:
@@ -572,6 +684,12 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--write-plan", action="store_true", help="also save the result as the job's plan.json"
     )
     detect.add_source_args(cmd)
+    recorded = cmd.add_argument_group("recorded topology (replaces nvidia-smi topo and /sys)")
+    recorded.add_argument("--topo-file", metavar="FILE", help="output of nvidia-smi topo -m")
+    recorded.add_argument("--p2p-file", metavar="FILE", help="output of nvidia-smi topo -p2p r")
+    recorded.add_argument(
+        "--ib-dir", metavar="DIR", default=topology.IB_DIR, help=f"default {topology.IB_DIR}"
+    )
     env = subcommand.add(sub, common, "env", run_env, help="render a job's env file from JSON")
     env.add_argument("spec", help="a JSON object with the job's settings, or - for stdin")
     subcommand.add(sub, common, "fields", run_fields, help="the settings a job has")

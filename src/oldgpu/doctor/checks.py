@@ -3,6 +3,8 @@
 A check is a function ``facts, profile -> dict`` in the ``checks_*`` module of
 what it judges (the GPU, the venv's packages, the verl tree, memory); a new one
 is added there, to ``CHECK_IDS`` and to ``evaluate``. Pure: no host is asked.
+``gpu_topology`` (``OPTIONAL_CHECK_IDS``) follows them only when the facts hold a
+multi-GPU host's topology (see ``checks_topology``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 from oldgpu.doctor.checks_gpu import check_bf16, check_driver, check_gpu_capability
 from oldgpu.doctor.checks_memory import check_gpu_memory, check_host_memory
+from oldgpu.doctor.checks_topology import CHECK_ID as TOPOLOGY_CHECK_ID
+from oldgpu.doctor.checks_topology import check_topology
 from oldgpu.doctor.checks_torch import check_flash_attn, check_torch_build, check_triton
 from oldgpu.doctor.checks_verl import check_verl_patch
 from oldgpu.doctor.common import resolve_profile
@@ -30,6 +34,8 @@ CHECK_IDS = (
     "host-memory",
     "bf16",
 )
+# Reported after CHECK_IDS when they apply (never counted as a skip otherwise).
+OPTIONAL_CHECK_IDS = (TOPOLOGY_CHECK_ID,)
 
 
 def evaluate(
@@ -51,6 +57,9 @@ def evaluate(
         check_host_memory(facts, min_free_host_mib),
         check_bf16(facts, prof),
     ]
+    topo = check_topology(facts)
+    if topo is not None:
+        checks.append(topo)
     counts = {s: sum(ch["status"] == s for ch in checks) for s in ("ok", "warn", "fail", "skip")}
     return {
         "ok": counts["fail"] == 0,

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import oldgpu
-from oldgpu import detect, driver
+from oldgpu import detect, driver, topology
 from oldgpu.doctor.common import resolve_profile
+from oldgpu.output import EngineError
 
 PROC_DRIVER_VERSION = driver.PROC_VERSION
 PROC_MEMINFO = "/proc/meminfo"
@@ -292,6 +293,26 @@ def _modified_files(root: Path, manifest: Mapping[str, Any]) -> list[str]:
     return sorted(modified)
 
 
+def topology_facts(
+    report: Mapping[str, Any], detect_args: argparse.Namespace | None = None
+) -> dict[str, Any] | None:
+    """``oldgpu topology``'s report for a host with a driver and several GPUs, else None.
+
+    Recorded detect input (``--nvidia-smi-file``) describes another host: its
+    topology is not this one's, so none is read.
+    """
+    args = detect_args or argparse.Namespace()
+    if getattr(args, "nvidia_smi_file", None) or getattr(args, "lspci_file", None):
+        return None
+    driven = [g for g in report.get("gpus", []) if g.get("index") is not None]
+    if len(driven) < 2:
+        return None
+    try:
+        return topology.report(topology.read_host(), None, topology.ib_devices())
+    except EngineError as exc:
+        return {"error": exc.message}
+
+
 def gather_facts(
     *,
     python: str | None = None,
@@ -311,6 +332,7 @@ def gather_facts(
         "host": parse_meminfo(_read_text(PROC_MEMINFO) or ""),
         "env": {k: os.environ.get(k) for k in ENV_KEYS},
         "verl": None,
+        "topology": topology_facts(report, detect_args),
     }
     if verl_dir:
         prof, _ = resolve_profile(facts)

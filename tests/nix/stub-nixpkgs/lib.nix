@@ -254,6 +254,23 @@ let
         name = "enum ${builtins.toJSON values}";
         check = v: elem v values;
       };
+    # nixpkgs' ints.positive / ints.unsigned and either, as the module uses them.
+    ints = {
+      positive = mkOptionType {
+        name = "positive integer, meaning >0";
+        check = v: isInt v && v > 0;
+      };
+      unsigned = mkOptionType {
+        name = "unsigned integer, meaning >=0";
+        check = v: isInt v && v >= 0;
+      };
+    };
+    either =
+      a: b:
+      mkOptionType {
+        name = "${a.name} or ${b.name}";
+        check = v: a.check v || b.check v;
+      };
     nullOr =
       t:
       mkOptionType {
