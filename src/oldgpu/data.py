@@ -118,14 +118,22 @@ def schema() -> Any:
 
 
 def _jsonl_rows(path: Path, data: bytes) -> Iterator[tuple[str, dict[str, Any]]]:
-    for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EngineError(
+            "gsm8k-input-invalid",
+            f"{path}: neither parquet nor UTF-8 JSON lines ({exc.reason} at byte {exc.start})",
+        ) from exc
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise EngineError(
-                "gsm8k-input-invalid", f"{path}:{lineno}: not a JSON object ({exc.msg})"
+                "gsm8k-input-invalid",
+                f"{path}:{lineno}: not a JSON object ({getattr(exc, 'msg', 'nested too deep')})",
             ) from exc
         yield f"line {lineno}", row
 

@@ -15,6 +15,7 @@ import gzip
 import re
 import shutil
 import subprocess
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -163,6 +164,10 @@ class NvidiaSmiError(ValueError):
     """nvidia-smi's output is not the GPU table (an error message, a missing field)."""
 
 
+class NvidiaSmiMalformed(NvidiaSmiError):
+    """Not nvidia-smi's error message either: a header, another table, a broken value."""
+
+
 # -- the tables -----------------------------------------------------------------
 
 
@@ -254,14 +259,17 @@ def find_pci_ids(paths: Iterable[str] = PCI_IDS_PATHS) -> Path | None:
 # -- parsing ----------------------------------------------------------------------
 
 
+_BUS_ID = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}:[0-9a-f]{2}\.[0-7])$")
+
+
 def _normalise_bus_id(bus_id: str) -> str:
     """nvidia-smi's ``00000000:03:00.0`` and lspci's ``0000:03:00.0`` -> the latter."""
     bus_id = bus_id.strip().lower()
-    parts = bus_id.split(":")
-    if len(parts) == 2:  # lspci without -D
-        return f"0000:{bus_id}"
-    domain = int(parts[0], 16)
-    return f"{domain:04x}:{parts[1]}:{parts[2]}"
+    match = _BUS_ID.match(bus_id)
+    if not match:
+        raise ValueError(f"{bus_id!r} is not a PCI bus id (DOMAIN:BUS:DEVICE.FUNCTION)")
+    domain, rest = match.groups()
+    return f"{int(domain or '0', 16):04x}:{rest}"
 
 
 def _na(value: str) -> bool:
@@ -294,46 +302,50 @@ def parse_nvidia_smi(text: str, pci_db: Mapping[tuple[str, str], str] | None = N
         elif len(row) == len(NVIDIA_SMI_FIELDS_LEGACY):
             fields = NVIDIA_SMI_FIELDS_LEGACY
         else:
-            raise NvidiaSmiError(f"line {lineno}: expected {len(NVIDIA_SMI_FIELDS)} fields: {row}")
+            raise NvidiaSmiMalformed(
+                f"line {lineno}: expected {len(NVIDIA_SMI_FIELDS)} fields: {row}"
+            )
         values = {f: v.strip() for f, v in zip(fields, row, strict=True)}
         try:
-            index = int(values["index"])
-            device_id = int(values["pci.device_id"], 16)
-        except ValueError as exc:
-            raise NvidiaSmiError(f"line {lineno}: {exc}") from exc
-        # pci.device_id is device << 16 | vendor, e.g. 0x1B3810DE.
-        vendor, device = f"{device_id & 0xFFFF:04x}", f"{device_id >> 16:04x}"
-        name = values["name"]
-        chip, _model = _describe(pci_db, vendor, device, "")
-        from_chip = chip_info(chip)
-        cc = values.get("compute_cap", "")
-        if _na(cc):
-            cc = from_chip[1] if from_chip else ""
-        else:
-            try:
-                cc = "{}.{}".format(*cc_tuple(cc))
-            except ValueError as exc:
-                raise NvidiaSmiError(f"line {lineno}: {exc}") from exc
-        arch = from_chip[0] if from_chip else None
-        if cc and (arch is None or (from_chip and from_chip[1] != cc)):
-            # The driver knows the card better than a name table: trust its CC.
-            arch = arch_for_cc(cc) or arch
-        memory = values["memory.total"]
-        gpus.append(
-            Gpu(
-                index=index,
-                name=name,
-                chip=chip,
-                pci_id=f"{vendor}:{device}",
-                bus_id=_normalise_bus_id(values["pci.bus_id"]),
-                architecture=arch,
-                compute_capability=cc or None,
-                memory_mib=int(float(memory)) if not _na(memory) else memory_for_model(name),
-                source="nvidia-smi",
-                driver_version=None if _na(values["driver_version"]) else values["driver_version"],
-            )
-        )
+            gpus.append(_smi_gpu(values, pci_db))
+        except (ValueError, OverflowError) as exc:
+            raise NvidiaSmiMalformed(f"line {lineno}: {exc}") from exc
     return gpus
+
+
+def _smi_gpu(values: Mapping[str, str], pci_db: Mapping[tuple[str, str], str]) -> Gpu:
+    """One row of nvidia-smi's table; ValueError when a value is not its kind."""
+    index = int(values["index"])
+    device_id = int(values["pci.device_id"], 16)
+    if index < 0 or not 0 <= device_id <= 0xFFFFFFFF:
+        raise ValueError(f"index {index} or device id {values['pci.device_id']} out of range")
+    # pci.device_id is device << 16 | vendor, e.g. 0x1B3810DE.
+    vendor, device = f"{device_id & 0xFFFF:04x}", f"{device_id >> 16:04x}"
+    name = values["name"]
+    chip, _model = _describe(pci_db, vendor, device, "")
+    from_chip = chip_info(chip)
+    cc = values.get("compute_cap", "")
+    cc = (from_chip[1] if from_chip else "") if _na(cc) else "{}.{}".format(*cc_tuple(cc))
+    arch = from_chip[0] if from_chip else None
+    if cc and (arch is None or (from_chip and from_chip[1] != cc)):
+        # The driver knows the card better than a name table: trust its CC.
+        arch = arch_for_cc(cc) or arch
+    memory = values["memory.total"]
+    memory_mib = int(float(memory)) if not _na(memory) else memory_for_model(name)
+    if memory_mib is not None and memory_mib < 0:
+        raise ValueError(f"memory.total {memory!r} is negative")
+    return Gpu(
+        index=index,
+        name=name,
+        chip=chip,
+        pci_id=f"{vendor}:{device}",
+        bus_id=_normalise_bus_id(values["pci.bus_id"]),
+        architecture=arch,
+        compute_capability=cc or None,
+        memory_mib=memory_mib,
+        source="nvidia-smi",
+        driver_version=None if _na(values["driver_version"]) else values["driver_version"],
+    )
 
 
 def parse_lspci(text: str, pci_db: Mapping[tuple[str, str], str] | None = None) -> list[Gpu]:
@@ -431,7 +443,11 @@ def detect(
     whose text is not given counts as missing (hermetic tests, recordings).
     """
     db_path = Path(pci_ids) if pci_ids else find_pci_ids()
-    pci_db = load_pci_ids(db_path) if db_path else {}
+    try:
+        pci_db = load_pci_ids(db_path) if db_path else {}
+    except (OSError, EOFError, zlib.error) as exc:
+        raise EngineError("pci-ids-unreadable", f"{db_path}: {exc}") from exc
+    recorded = nvidia_smi_text is not None
     if run_tools:
         nvidia_smi_text = nvidia_smi_text if nvidia_smi_text is not None else run_nvidia_smi()
         lspci_text = lspci_text if lspci_text is not None else run_lspci()
@@ -442,6 +458,13 @@ def detect(
         try:
             smi = parse_nvidia_smi(nvidia_smi_text, pci_db)
             smi_status = "ok"
+        except NvidiaSmiMalformed as exc:
+            if recorded:  # a file given: read as "no GPU", it would give the cpu profile
+                raise EngineError(
+                    "nvidia-smi-output-malformed",
+                    f"not nvidia-smi's --format=csv,noheader,nounits table: {exc}",
+                ) from exc
+            smi_status = "failed"
         except NvidiaSmiError:
             smi_status = "failed"
     pci = parse_lspci(lspci_text, pci_db) if lspci_text is not None else []
@@ -475,9 +498,16 @@ def _read(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise EngineError("detect-input-unreadable", f"{path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise EngineError(
+            "detect-input-not-text", f"{path}: not UTF-8 text ({exc.reason})"
+        ) from exc
+    if "\0" in text:
+        raise EngineError("detect-input-not-text", f"{path}: binary data (a NUL byte), not text")
+    return text
 
 
 def detect_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -144,6 +144,8 @@ class Job:
 
 def job_from_mapping(values: Mapping[str, Any]) -> Job:
     """A job from inventory-style values (``name``, ``model_path``, ...), validated."""
+    if not isinstance(values, Mapping):
+        raise _invalid(f"a job is a JSON object of settings, not {type(values).__name__}")
     unknown = sorted(set(values) - set(FIELD_BY_NAME))
     if unknown:
         raise _invalid(f"unknown job settings: {', '.join(unknown)}")
@@ -163,8 +165,10 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             if problem:
                 raise _invalid(problem)
         elif field.kind == "list":
-            if isinstance(value, str):
-                raise _invalid(f"{field.name}: expected a list of strings, got a string")
+            if not isinstance(value, list | tuple) or not all(
+                isinstance(v, str | int | float) and not isinstance(v, bool) for v in value
+            ):
+                raise _invalid(f"{field.name}: expected a list of strings, got {value!r}")
             value = tuple(str(v) for v in value)
             for item in value:
                 _check_value(field, item)
@@ -177,6 +181,13 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             _check_value(field, value)
             if field.kind == "path" and value and not value.startswith("/"):
                 raise _invalid(f"{field.name}: {value!r} is not an absolute path")
+            if field.kind == "path" and _under(value, PROTECTED_HOME):
+                raise EngineError(
+                    "job-path-protected",
+                    f"{field.name}: {value!r} is under {', '.join(PROTECTED_HOME)}, which the "
+                    "unit cannot read (ProtectHome=); move it, e.g. under /var/lib/verl or /srv",
+                    code=CONFIG_INVALID,
+                )
         out[field.name] = value
     if not NAME_RE.match(out["name"]):
         raise _invalid(
@@ -196,9 +207,23 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             raise _invalid(f"overrides: {item!r} is not a Hydra override (key=value)")
     if out["profile"] and _profile_name(out["profile"])[0] not in profile.PROFILES:
         raise _invalid(f"profile: {out['profile']!r} is not one of {sorted(profile.PROFILES)}")
+    if out["profile"]:
+        try:  # what `job command` resolves; refused here so a unit never starts with it
+            profile.profile_for_arch(*_profile_name(out["profile"]))
+        except EngineError as exc:
+            raise _invalid(f"profile: {exc.message}") from None
     for problem in recipe.problems(out):
         raise _invalid(problem)
     return Job(**out)
+
+
+# systemd's ProtectHome= hides these from the unit (the job's model and data must not be there).
+PROTECTED_HOME = ("/home", "/root", "/run/user")
+
+
+def _under(path: str, roots: Sequence[str]) -> bool:
+    normal = os.path.normpath(path)
+    return any(normal == root or normal.startswith(root + "/") for root in roots)
 
 
 def _integer(field: Field, value: Any) -> int:
@@ -241,7 +266,7 @@ def _indices(field: Field, value: Any) -> tuple[int, ...]:
         if isinstance(item, bool) or not isinstance(item, int | str):
             item = None
         elif isinstance(item, str):
-            item = int(item) if item.strip().isdigit() else None
+            item = int(item) if item.strip().isascii() and item.strip().isdigit() else None
         if item is None or item < 0:
             raise EngineError(
                 "devices-invalid",
@@ -318,6 +343,8 @@ def load_job(name: str, jobs_dir: Path = JOBS_DIR) -> Job:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise _invalid(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise _invalid(f"{path}: not UTF-8 text ({exc.reason})") from None
     return job_from_env(parse_env(text, str(path)))
 
 
@@ -599,6 +626,8 @@ def _read_job(args: argparse.Namespace) -> Job:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise _invalid(f"cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise _invalid(f"{path}: not UTF-8 text ({exc.reason})") from None
         return job_from_env(parse_env(text, str(path)))
     if args.name:
         return load_job(args.name, Path(args.jobs_dir))
@@ -635,7 +664,7 @@ def run_env(args: argparse.Namespace) -> Result:
         values = json.loads(
             Path(args.spec).read_text(encoding="utf-8") if args.spec != "-" else sys.stdin.read()
         )
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise _invalid(f"cannot read a JSON job from {args.spec}: {exc}") from None
     job = job_from_mapping(values)
     text = render_env(job)

@@ -354,6 +354,20 @@ def profile_for_arch(
     """The profile of one GPU of ``arch`` (``cpu`` for none)."""
     if arch not in PROFILES:
         raise EngineError("unknown-architecture", f"{arch!r} is not one of {sorted(PROFILES)}")
+    if cc:
+        # "pascal-abc" or "pascal-9.9" would otherwise plan for a card that does not exist.
+        try:
+            cc_arch = detect.arch_for_cc(cc)
+        except ValueError as exc:
+            raise EngineError("bad-compute-capability", f"profile {arch}-{cc}: {exc}") from exc
+        if cc_arch != arch:
+            raise EngineError(
+                "profile-cc-mismatch",
+                f"profile {arch}-{cc}: compute capability {cc} is "
+                f"{'no known GPU' if cc_arch is None else 'a ' + cc_arch + ' GPU'}'s, "
+                f"not a {arch} one",
+            )
+        cc = "{}.{}".format(*detect.cc_tuple(cc))
     if arch == "cpu":
         return profile_for_gpus([], requested_branch, requested_flavour)
     gpu = {"architecture": arch, "compute_capability": cc or PROFILES[arch].cc}

@@ -117,11 +117,17 @@ def run(args: argparse.Namespace) -> Result:
     # A profile asked for by hand is checked up front: a typo is a usage error.
     if args.cc:
         profile.profile_for_cc(args.cc)
+    for flag in ("min_free_gpu_mib", "min_free_host_mib"):
+        if (getattr(args, flag) or 0) < 0:
+            option = "--" + flag.replace("_", "-")
+            raise EngineError("doctor-bad-input", f"{option} must be 0 or more")
     if args.facts:
         try:
             facts = json.loads(Path(args.facts).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise EngineError("facts-unreadable", f"{args.facts}: {exc}") from exc
+        if not isinstance(facts, dict):
+            raise EngineError("facts-invalid", f"{args.facts}: not a JSON object of facts")
         if args.cc or args.arch:
             facts["request"] = {"cc": args.cc, "arch": args.arch}
     else:
@@ -132,8 +138,16 @@ def run(args: argparse.Namespace) -> Result:
             arch=args.arch,
             detect_args=args,
         )
-    report = evaluate(
-        facts, min_free_gpu_mib=args.min_free_gpu_mib, min_free_host_mib=args.min_free_host_mib
-    )
+    try:
+        report = evaluate(
+            facts, min_free_gpu_mib=args.min_free_gpu_mib, min_free_host_mib=args.min_free_host_mib
+        )
+    except (TypeError, KeyError, AttributeError, ValueError, IndexError) as exc:
+        if not args.facts:
+            raise
+        # Recorded facts are outside input: a hand-edited file of the wrong shape.
+        raise EngineError(
+            "facts-invalid", f"{args.facts}: not doctor's facts ({type(exc).__name__}: {exc})"
+        ) from exc
     payload = {**report, "facts": facts}
     return Result(payload, render(report, facts), 0 if report["ok"] else DOCTOR_FAILED)

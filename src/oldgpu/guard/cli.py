@@ -20,6 +20,8 @@ from oldgpu.output import Result
 
 def run(args: argparse.Namespace) -> Result:
     if args.env:
+        if args.profile:
+            policy_for(args.profile)  # a name the processes would refuse at start is refused now
         env = environment(args.profile or DEFAULT_PROFILE, args.log)
         text = "\n".join(f"export {k}={json.dumps(v)}" for k, v in env.items())
         return Result(payload=env, text=text)

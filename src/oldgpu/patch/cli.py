@@ -18,7 +18,22 @@ def options_from_args(args: argparse.Namespace) -> Options:
     values: dict[str, str] = {}
     if args.profile:
         values.update(profile_options(args.profile))
-    # Explicit flags win over the profile.
+    # Explicit flags win over the profile, unless the profile's GPU cannot run them:
+    # bf16 needs CC 8.0, and so does FlashAttention-2 (the patched tree would fail at load).
+    no_bf16 = values.get("device") == "cuda" and values.get("compute_dtype") != "bf16"
+    if args.profile and args.compute_dtype == "bf16" and no_bf16:
+        raise EngineError(
+            "patch-dtype-unsupported",
+            f"--compute-dtype bf16 with profile {args.profile}: its GPU has no bf16 "
+            "(compute capability 8.0 or later); use fp32 or fp16",
+        )
+    gpu_attn = values.get("attn_implementation") == "flash_attention_2"
+    if args.profile and args.attn_implementation == "flash_attention_2" and not gpu_attn:
+        raise EngineError(
+            "patch-attention-unsupported",
+            f"--attn-implementation flash_attention_2 with profile {args.profile}: "
+            "FlashAttention-2 needs compute capability 8.0 or later; use sdpa or eager",
+        )
     if args.compute_dtype:
         values["compute_dtype"] = args.compute_dtype
     if args.attn_implementation:

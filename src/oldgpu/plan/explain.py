@@ -281,9 +281,6 @@ def _notes(found: Plan) -> list[str]:
             "LoRA: the ref log-prob is the actor with its adapters disabled (no ref copy); "
             "under the HF rollout verl 0.5.0 needs oldgpu patch's hf-rollout-lora-wrap"
         )
-    limit = inp.shape.max_position_embeddings
-    if limit and inp.seq > limit:
-        notes.append(f"prompt + response ({inp.seq}) exceeds the model's {limit} positions")
     if inp.rollout == "vllm":
         notes.append("vLLM's share is modelled, not measured (the measurements are HF rollout)")
     if inp.device == "cuda" and inp.gpus > 1:

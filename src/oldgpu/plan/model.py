@@ -117,6 +117,20 @@ def shape_from_config(config: Mapping[str, Any]) -> ModelShape:
             "plan-model-config-invalid",
             f"config.json lacks integer {', '.join(missing)}; pass --model-shape instead",
         )
+
+    # A zero or negative dimension divides by zero or plans a model of negative size.
+    def positive(key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EngineError(
+                "plan-model-config-invalid",
+                f"config.json's {key} is {value!r}: must be a positive integer",
+            )
+
+    for key in _REQUIRED_CONFIG_KEYS:
+        positive(key, config[key])
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if config.get(key) is not None:
+            positive(key, config[key])
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     model_type = str(config.get("model_type", ""))
@@ -143,7 +157,7 @@ def load_model_dir(path: str | Path) -> ModelShape:
         raise EngineError(
             "plan-model-config-missing", f"{config_path} does not exist (pass --model-shape)"
         ) from exc
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise EngineError("plan-model-config-invalid", f"{config_path}: {exc}") from exc
     if not isinstance(config, Mapping):
         raise EngineError("plan-model-config-invalid", f"{config_path} is not a JSON object")

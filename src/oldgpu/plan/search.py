@@ -218,6 +218,23 @@ def validate(inp: Inputs) -> None:
             raise EngineError("plan-bad-input", f"{name} must be a positive integer, not {value}")
     if inp.target_train_batch is not None and inp.target_train_batch < 1:
         raise EngineError("plan-bad-input", "--target-train-batch must be a positive integer")
+    if inp.headroom_mib is not None and inp.headroom_mib < 0:
+        # A negative margin plans a peak above the card's memory.
+        raise EngineError(
+            "plan-bad-input", f"--headroom-mib must be 0 or more, not {inp.headroom_mib}"
+        )
+    if not isinstance(inp.ppo_mini_batches, int) or inp.ppo_mini_batches < 1:
+        raise EngineError(
+            "plan-bad-input",
+            f"--ppo-mini-batches must be a positive integer, not {inp.ppo_mini_batches}",
+        )
+    limit = inp.shape.max_position_embeddings
+    if limit and inp.seq > limit:
+        raise EngineError(
+            "plan-sequence-too-long",
+            f"prompt + response ({inp.prompt_length} + {inp.response_length} = {inp.seq}) "
+            f"exceeds the model's max_position_embeddings ({limit})",
+        )
     if inp.compute_dtype not in PRECISIONS:
         raise EngineError("plan-bad-input", f"no memory figures for dtype {inp.compute_dtype!r}")
     if inp.device == "cpu" and inp.gpus != 1:
