@@ -79,9 +79,7 @@ def test_scaler_is_on_the_update_paths_in_order(verl_tree: Path, capsys) -> None
     assert 'BAKED_COMPUTE_DTYPE = "fp16"' in compat and "ShardedGradScaler(" in compat
 
 
-def test_pascal_and_fp32_trees_have_no_scaler(
-    verl_tree: Path, verl_pristine: Path, capsys
-) -> None:
+def test_pascal_and_fp32_trees_have_no_scaler(verl_tree: Path, verl_pristine: Path, capsys) -> None:
     pristine = tree_hashes(verl_pristine)
     code, out = run_cli(capsys, str(verl_tree), "--profile", "pascal")
     assert code == 0 and "fp16-loss-scaler" not in {p["name"] for p in out["patches"]}
@@ -96,8 +94,8 @@ def test_pascal_and_fp32_trees_have_no_scaler(
 def test_revert_is_byte_identical(verl_tree: Path, verl_pristine: Path, capsys) -> None:
     run_cli(capsys, str(verl_tree), "--profile", "turing")
     assert tree_hashes(verl_tree) != tree_hashes(verl_pristine)
-    code, _ = run_cli(capsys, str(verl_tree), "--check")
-    assert code == 0
+    code, out = run_cli(capsys, str(verl_tree), "--check", "--profile", "turing")
+    assert code == 0 and out["changed"] is False  # a second run changes nothing
     run_cli(capsys, str(verl_tree), "--revert")
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)
 
@@ -187,4 +185,5 @@ def test_overflow_skips_the_step(
         script = f"import os; os.environ['OLDGPU_COMPUTE_DTYPE'] = {dtype!r}\n" + script
     proc = run_in_tree(verl_tree, script)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-3:] == [*expected, "ok"]
+    lines = proc.stdout.strip().splitlines()
+    assert [x for x in lines if not x.startswith("WARN")] == [*expected, "ok"], lines

@@ -381,7 +381,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, Any, str]:
     ("flags", "dtype", "rollout"),
     [
         (["--arch", "pascal"], "fp32", "hf"),
-        (["--profile", "volta-7.0"], "fp32", "hf"),
+        (["--profile", "volta-7.0"], "fp16", "vllm"),
         (["--cc", "8.0"], "bf16", "vllm"),
         (["--profile", "cpu", "--host-mib", "65536"], "fp32", "hf"),
     ],
@@ -398,9 +398,19 @@ def test_each_profile_plans(capsys, monkeypatch, flags, dtype, rollout):
     if rollout == "hf":
         assert vllm_keys == []
     else:
-        assert vllm_keys == ["actor_rollout_ref.rollout.gpu_memory_utilization"]
-        util = float(doc["hydra_overrides"][keys.index(vllm_keys[0])].split("=")[1])
+        assert vllm_keys == [
+            "actor_rollout_ref.rollout.gpu_memory_utilization",
+            "actor_rollout_ref.rollout.max_num_seqs",
+            "actor_rollout_ref.rollout.max_num_batched_tokens",
+        ]
+        value = {k: o.split("=", 1)[1] for k, o in zip(keys, doc["hydra_overrides"], strict=True)}
+        util = float(value[vllm_keys[0]])
         assert 0 < util <= plan.VLLM_MAX_UTILIZATION
+        # The whole rollout batch at once; a step schedules at least one whole sequence.
+        assert int(value[vllm_keys[1]]) == doc["choice"]["train_batch_size"]
+        seq = doc["inputs"]["prompt_length"] + doc["inputs"]["response_length"]
+        assert int(value[vllm_keys[2]]) >= seq
+        assert value["actor_rollout_ref.rollout.enforce_eager"] in ("True", "False")
     if "cpu" in flags:
         assert doc["inputs"]["memory_source"] == "host"
         assert not any(v for k, v in doc["choice"]["offload"].items() if k != "level")
