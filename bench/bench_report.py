@@ -61,6 +61,37 @@ def parse_step(line: str) -> dict[str, Any] | None:
     return metrics
 
 
+SCALER_KEYS = ("actor/grad_scale", "critic/grad_scale")
+SKIPPED_KEYS = ("actor/skipped_steps", "critic/skipped_steps")
+
+
+def scaler_text(m: dict[str, Any]) -> str:
+    """The loss scaler's metrics of one step line (fp16 trees report them), or ''."""
+    parts = [
+        f"{key} {m[key]:g}"
+        for key in (*SCALER_KEYS, *SKIPPED_KEYS)
+        if isinstance(m.get(key), (int, float))
+    ]
+    return (", " + ", ".join(parts)) if parts else ""
+
+
+def scaler_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loss scale at the last step and the optimizer steps skipped on inf/nan: in
+    all, and after step 2 (the scale settles in the first steps)."""
+
+    def skipped(rows: list[dict[str, Any]]) -> float:
+        return sum(s[k] for s in rows for k in SKIPPED_KEYS if isinstance(s.get(k), (int, float)))
+
+    if not any(k in s for s in steps for k in SCALER_KEYS):
+        return {}
+    last = steps[-1]
+    return {
+        "grad_scale_last": {k: last.get(k) for k in SCALER_KEYS if k in last},
+        "skipped_steps": skipped(steps),
+        "skipped_after_step_2": skipped([s for s in steps if s["step"] > 2]),
+    }
+
+
 def overrides_of(argv: list[str]) -> dict[str, str]:
     """The Hydra overrides of verl's argv as key -> value (``+a.b=1`` -> ``a.b``)."""
     out = {}
@@ -160,6 +191,8 @@ def summarize(run: dict[str, Any], steps: list[dict[str, Any]], out: Path) -> di
         "guard": guard_events(out / "guard.jsonl"),
         "planner": plan.get("choice"),
         "planner_peak_mib": (plan.get("estimate") or {}).get("peak_mib"),
+        "compute_dtype": environment.get("OLDGPU_COMPUTE_DTYPE"),
+        **scaler_summary(steps),
     }
     g = result["guard"]
     result["guard_ok"] = bool(
@@ -301,6 +334,10 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
 
+# fp16 against its fp32 baseline: (fp16 setting, fp32 setting), same batch.
+FP16_PAIRS = (("fp16-volta", "fp32-volta"),)
+
+
 def summary(out: Path) -> str:
     results = {}
     for path in sorted(out.glob("*/result.json")):
@@ -351,6 +388,17 @@ def summary(out: Path) -> str:
                 f"{_fmt(r.get('score_last5'))}, slope {r.get('score_slope_per_step')}/step "
                 "| | | | | | | | | | |"
             )
+        if r.get("grad_scale_last"):
+            scales = ", ".join(f"{k} {_fmt(v)}" for k, v in r["grad_scale_last"].items())
+            lines.append(
+                f"| {name} loss scale | {r.get('compute_dtype')} | last step: {scales}; "
+                f"skipped steps {_fmt(r.get('skipped_steps'))} (after step 2: "
+                f"{_fmt(r.get('skipped_after_step_2'))}) | | | | | | | | | | |"
+            )
+    for fast, slow in FP16_PAIRS:
+        a, b = (results.get(n, {}).get("tokens_per_s") for n in (fast, slow))
+        if a and b:
+            lines.append(f"\n{fast} / {slow} tokens/s: {a / b:.2f}x ({a:.1f} / {b:.1f})")
     text = "\n".join(lines)
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(results, indent=1))
