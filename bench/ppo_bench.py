@@ -145,7 +145,9 @@ GRPO = {"algorithm": "grpo", "rollout_n": 4, "kl_loss_coef": 0.001}
 # HF rollout: vLLM 0.8.x needs torch 2.6, not the lent machine's. One batch for both
 # so tokens/s compare; 64, not the planner's 256, so that both fit one device call
 # (the planner picks the micro batches, offload and checkpointing at that batch).
-VOLTA_BATCH = 64
+# BENCH_VOLTA_BATCH sets another (HF generation is launch-bound and costs about the
+# same at any batch, so a larger one shows more of the update's fp16 speed-up).
+VOLTA_BATCH = int(os.environ.get("BENCH_VOLTA_BATCH", "64"))
 FP16 = {"rollout": "hf", "train_batch_size": VOLTA_BATCH}
 FP32 = {**FP16, "compute_dtype": "fp32"}
 # The recorded nvidia-smi line `job command` plans against on the lent GPU, per profile.

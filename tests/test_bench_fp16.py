@@ -104,7 +104,7 @@ def test_fp16_and_fp32_volta_run_one_batch_under_the_volta_guard(pb, host) -> No
         assert o["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == "fp32"
         assert "actor_rollout_ref.rollout.gpu_memory_utilization" not in o
         runs[name] = (run, env, o, result)
-    (f16, env16, o16, r16), (f32, env32, o32, _) = runs["fp16-volta"], runs["fp32-volta"]
+    (f16, env16, o16, r16), (f32, env32, o32, r32) = runs["fp16-volta"], runs["fp32-volta"]
     assert (env16["OLDGPU_COMPUTE_DTYPE"], env32["OLDGPU_COMPUTE_DTYPE"]) == ("fp16", "fp32")
     # The fp32 baseline: fp16 tensors refused by the guard too; fp16 allows them.
     assert env32["OLDGPU_GUARD_DTYPE"] == "fp32" and "OLDGPU_GUARD_DTYPE" not in env16
@@ -115,7 +115,14 @@ def test_fp16_and_fp32_volta_run_one_batch_under_the_volta_guard(pb, host) -> No
     # The loss scaler's metrics from the step lines.
     assert r16["grad_scale_last"] == {"actor/grad_scale": 65536.0, "critic/grad_scale": 65536.0}
     assert (r16["skipped_steps"], r16["skipped_after_step_2"]) == (1, 0)
+    # The projection (a model): a V100 for the volta runs, fp16 on its tensor cores.
+    v16, v32 = r16["projection"]["v100"], r32["projection"]["v100"]
+    assert "p40" not in r16["projection"]
+    v100 = pb.report.V100
+    ratio = v100["fp32_tflops"] / v100["fp16_tflops"]
+    assert v16["compute_s"] == pytest.approx(v32["compute_s"] * ratio, rel=0.05)
     table = pb.report.summary(host / "runs")
+    assert "| V100: " in table
     assert "| fp16-volta loss scale | fp16 |" in table
     assert "fp16-volta / fp32-volta tokens/s: 1.00x" in table
 
