@@ -37,6 +37,7 @@ PROFILE_KEYS = {
     "vllm_allowed",
     "hydra_overrides",
     "rollout_environment",
+    "python_lock",
     "patch_options",
     "notes",
 }
@@ -443,11 +444,12 @@ def test_fp16_profiles_compose_vllm_in_fp16(arch):
     assert p["rollout_environment"] == {"VLLM_USE_V1": "0", "VLLM_ATTENTION_BACKEND": "XFORMERS"}
     assert p["patch_options"]["compute_dtype"] == "fp16"
     assert any("fp16-loss-scaler" in n for n in p["notes"])
+    assert p["python_lock"] == "vllm"  # python_env installs files/requirements/vllm.lock
 
 
 def test_pascal_profile_unchanged_by_the_fp16_rows():
     p = profile.profile_for_arch("pascal")
-    assert p["rollout_environment"] == {}
+    assert p["rollout_environment"] == {} and p["python_lock"] is None
     assert not any("vllm" in o or "float16" in o for o in p["hydra_overrides"])
 
 

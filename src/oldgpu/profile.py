@@ -413,6 +413,8 @@ def profile_for_gpus(
         "vllm_allowed": row.vllm_allowed,
         "hydra_overrides": hydra_overrides(row),
         "rollout_environment": rollout_environment(row),
+        # The Python lock the host takes besides the variant's (python_env reads it).
+        "python_lock": "vllm" if row.rollout == "vllm" else None,
         "patch_options": {
             "compute_dtype": row.compute_dtype,
             "attn_implementation": row.attn_implementation,
