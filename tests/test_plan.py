@@ -601,3 +601,24 @@ def test_overrides_compose_with_verls_own_config(verl_pristine, name):
     assert cfg.actor_rollout_ref.rollout.response_length == found.inputs.response_length
     if found.inputs.critic:
         assert cfg.critic.forward_micro_batch_size_per_gpu == c.critic_micro
+
+
+def test_vllm_settings_follow_the_generate_phase():
+    from oldgpu.plan.memory import VLLM_CUDA_GRAPH_MIB, PhaseEstimate, vllm_settings
+
+    inp = plan.Inputs(
+        memory_mib=16384, gpus=1, shape=plan.SHAPES["qwen2.5-0.5b"], prompt_length=1024,
+        response_length=8000, compute_dtype="fp16", rollout="vllm", rollout_n=2,
+    )  # fmt: skip
+
+    def phase(resident: float) -> PhaseEstimate:
+        return PhaseEstimate({"w": resident}, {"decode": {"kv": 1000.0}}, context=500.0)
+
+    roomy = vllm_settings(inp, 64, phase(1000.0))
+    assert roomy["max_num_seqs"] == 128  # 64 prompts x rollout.n 2 on one GPU
+    assert roomy["max_num_batched_tokens"] == 9024  # a whole sequence, above 8192
+    assert roomy["enforce_eager"] is False
+    # Less than the graphs' budget left beside the generate phase: eager.
+    tight = vllm_settings(inp, 64, phase(16384.0 - 1500.0 - VLLM_CUDA_GRAPH_MIB + 1))
+    assert tight["enforce_eager"] is True
+    assert 0 < tight["gpu_memory_utilization"] <= plan.VLLM_MAX_UTILIZATION
