@@ -313,6 +313,7 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
     assert registry.patch_set_modules() == [
         "oldgpu.patch.verl_0_5_0",
         "oldgpu.patch.verl_0_5_0_cpu",
+        "oldgpu.patch.verl_0_5_0_fp16",
     ]
     (extra_patch_sets / "verl_9_9_9.py").write_text(
         "from oldgpu.patch.sitepatch import SitePatch\n\n\n"
