@@ -22,7 +22,16 @@ from typing import Any
 # x16 measured about 12 GB/s pinned; the H200 VM's link is an assumption). Achieved
 # fractions of the peaks are assumptions too; the H200 run checks the model.
 P40 = {"fp32_tflops": 11.76, "bandwidth_gbs": 347.0, "pcie_gbs": 12.0, "memory_mib": 24576}
-H200 = {"fp32_tflops": 67.0, "bandwidth_gbs": 4800.0, "pcie_gbs": 25.0}
+# fp16_tflops: dense fp16 on tensor cores, what an fp16 run's matmuls get (the P40 has
+# none: 1/64 rate, so no fp16 figure). V100 SXM2 32 GB: 15.7 fp32, 125 fp16 tensor.
+H200 = {"fp32_tflops": 67.0, "fp16_tflops": 989.0, "bandwidth_gbs": 4800.0, "pcie_gbs": 25.0}
+V100 = {
+    "fp32_tflops": 15.7,
+    "fp16_tflops": 125.0,
+    "bandwidth_gbs": 900.0,
+    "pcie_gbs": 12.0,
+    "memory_mib": 32768,
+}
 FLOPS_EFFICIENCY = 0.7
 BW_EFFICIENCY = 0.8
 # The settings the summary compares every run with: the article's and the planner's.
@@ -59,6 +68,37 @@ def parse_step(line: str) -> dict[str, Any] | None:
         if sep:
             metrics[key.strip()] = parse_value(value)
     return metrics
+
+
+SCALER_KEYS = ("actor/grad_scale", "critic/grad_scale")
+SKIPPED_KEYS = ("actor/skipped_steps", "critic/skipped_steps")
+
+
+def scaler_text(m: dict[str, Any]) -> str:
+    """The loss scaler's metrics of one step line (fp16 trees report them), or ''."""
+    parts = [
+        f"{key} {m[key]:g}"
+        for key in (*SCALER_KEYS, *SKIPPED_KEYS)
+        if isinstance(m.get(key), (int, float))
+    ]
+    return (", " + ", ".join(parts)) if parts else ""
+
+
+def scaler_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loss scale at the last step and the optimizer steps skipped on inf/nan: in
+    all, and after step 2 (the scale settles in the first steps)."""
+
+    def skipped(rows: list[dict[str, Any]]) -> float:
+        return sum(s[k] for s in rows for k in SKIPPED_KEYS if isinstance(s.get(k), (int, float)))
+
+    if not any(k in s for s in steps for k in SCALER_KEYS):
+        return {}
+    last = steps[-1]
+    return {
+        "grad_scale_last": {k: last.get(k) for k in SCALER_KEYS if k in last},
+        "skipped_steps": skipped(steps),
+        "skipped_after_step_2": skipped([s for s in steps if s["step"] > 2]),
+    }
 
 
 def overrides_of(argv: list[str]) -> dict[str, str]:
@@ -160,6 +200,8 @@ def summarize(run: dict[str, Any], steps: list[dict[str, Any]], out: Path) -> di
         "guard": guard_events(out / "guard.jsonl"),
         "planner": plan.get("choice"),
         "planner_peak_mib": (plan.get("estimate") or {}).get("peak_mib"),
+        "compute_dtype": environment.get("OLDGPU_COMPUTE_DTYPE"),
+        **scaler_summary(steps),
     }
     g = result["guard"]
     result["guard_ok"] = bool(
@@ -231,7 +273,10 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     critic_ckpt = values.get("critic.model.enable_gradient_checkpointing") == "True"
     trained = lora_params(config, rank) if rank > 0 else params
     seq = prompt + response
-    flops = hw["fp32_tflops"] * 1e12 * FLOPS_EFFICIENCY
+    # An fp16 run's matmuls run on the tensor cores; fp32 (and a card without) at fp32's.
+    dtype = ((run.get("composed") or {}).get("environment") or {}).get("OLDGPU_COMPUTE_DTYPE")
+    peak = hw.get("fp16_tflops") if dtype == "fp16" else None
+    flops = (peak or hw["fp32_tflops"]) * 1e12 * FLOPS_EFFICIENCY
     bw = hw["bandwidth_gbs"] * 1e9 * BW_EFFICIENCY
     pcie = hw["pcie_gbs"] * 1e9
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
@@ -274,10 +319,29 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
 
 
 def projections(run: dict[str, Any], r: dict[str, Any]) -> dict[str, Any] | None:
-    """The same model for the H200 (checked against the measurement) and the P40."""
+    """The same model for the H200 (checked against the measurement) and the P40 (the
+    volta profile's runs: the V100, which they stand for)."""
     if r.get("s_per_step") is None:
         return None
     h200, p40 = project(run, r, H200), project(run, r, P40)
+    environment = (run.get("composed") or {}).get("environment") or {}
+    if str((run.get("composed") or {}).get("profile", "")).startswith("volta"):
+        v100 = project(run, r, V100)
+        return {
+            "label": "projection (a model, not a measurement)",
+            "assumptions": {
+                "flops_efficiency": FLOPS_EFFICIENCY,
+                "bandwidth_efficiency": BW_EFFICIENCY,
+                "h200": H200,
+                "v100": V100,
+                "compute_dtype": environment.get("OLDGPU_COMPUTE_DTYPE"),
+                "params": run["assets"]["params"],
+            },
+            "h200_model": h200,
+            "h200_measured_over_model": round(r["s_per_step"] / h200["s_per_step"], 3),
+            "v100": v100,
+            "v100_over_h200_model": round(v100["s_per_step"] / h200["s_per_step"], 2),
+        }
     return {
         "label": "projection (a model, not a measurement)",
         "assumptions": {
@@ -301,6 +365,10 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
 
+# fp16 against its fp32 baseline: (fp16 setting, fp32 setting), same batch.
+FP16_PAIRS = (("fp16-volta", "fp32-volta"),)
+
+
 def summary(out: Path) -> str:
     results = {}
     for path in sorted(out.glob("*/result.json")):
@@ -315,7 +383,7 @@ def summary(out: Path) -> str:
     lines = [
         "| setting | run | steps (timed) | tokens/s | s/step | gen s | peak alloc GB | "
         "peak reserved GB | planner peak GB | vs a | vs b | guard | "
-        "P40 projected s/step (tokens/s) |",
+        "P40 (volta runs: V100) projected s/step (tokens/s) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results.items():
@@ -326,8 +394,12 @@ def summary(out: Path) -> str:
         ]
         g = r.get("guard", {})
         guard = "ok" if r.get("guard_ok") else f"NOT ok ({len(g.get('violations', []))} viol.)"
-        proj = (r.get("projection") or {}).get("p40")
+        projection = r.get("projection") or {}
+        proj = projection.get("p40")
         proj_s = f"{proj['s_per_step']} ({proj['tokens_per_s']})" if proj else "-"
+        if projection.get("v100"):
+            v = projection["v100"]
+            proj_s = f"V100: {v['s_per_step']} ({v['tokens_per_s']})"
         planned = r.get("planner_peak_mib")
         planned_gb = round(planned / 1024, 2) if planned else None
         status = (
@@ -351,6 +423,17 @@ def summary(out: Path) -> str:
                 f"{_fmt(r.get('score_last5'))}, slope {r.get('score_slope_per_step')}/step "
                 "| | | | | | | | | | |"
             )
+        if r.get("grad_scale_last"):
+            scales = ", ".join(f"{k} {_fmt(v)}" for k, v in r["grad_scale_last"].items())
+            lines.append(
+                f"| {name} loss scale | {r.get('compute_dtype')} | last step: {scales}; "
+                f"skipped steps {_fmt(r.get('skipped_steps'))} (after step 2: "
+                f"{_fmt(r.get('skipped_after_step_2'))}) | | | | | | | | | | |"
+            )
+    for fast, slow in FP16_PAIRS:
+        a, b = (results.get(n, {}).get("tokens_per_s") for n in (fast, slow))
+        if a and b:
+            lines.append(f"\n{fast} / {slow} tokens/s: {a / b:.2f}x ({a:.1f} / {b:.1f})")
     text = "\n".join(lines)
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(results, indent=1))

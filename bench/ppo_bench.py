@@ -8,7 +8,8 @@ in the job's ``overrides`` what only a benchmark needs. A run
 2. writes the job's env file with ``oldgpu job env`` and asks ``oldgpu job command`` what
    the start script will run (command.txt; the guard's per-op step count comes from it);
 3. starts ``files/bin/verl-train``, the script ``verl-train@<job>.service`` runs, with
-   that env file, under ``OLDGPU_GUARD=pascal``, and reads verl's console step lines.
+   that env file, under ``OLDGPU_GUARD=pascal`` (the volta settings: ``volta``, a 32 GB
+   V100's cap), and reads verl's console step lines.
 
 Afterwards it checks that verl-train ran exactly what ``oldgpu job command`` composed
 (the job's ``plan.json``) and records whether the doctor passed. The bench's own parts
@@ -95,6 +96,10 @@ class Setting:
     job: dict[str, Any] = field(default_factory=dict)
     overrides: tuple[str, ...] = ()
     gpu_only: tuple[str, ...] = ()
+    # The GPU profile the job is forced to and the guard makes the GPU (cpu scales: cpu).
+    profile: str = GUARD_PROFILE
+    # What the guard allows when the job forces another dtype than the profile's.
+    guard_dtype: str = ""
 
 
 # Every run: no checkpoint inside the timed steps (a job saves at its last step).
@@ -136,6 +141,20 @@ LEARN = (
 # Issue 14's recipe fields (another change adds them to jobs.FIELDS; until then these
 # settings say what they lack). n and the LoRA numbers are verl's GRPO/LoRA examples'.
 GRPO = {"algorithm": "grpo", "rollout_n": 4, "kl_loss_coef": 0.001}
+# fp16 against fp32 on the volta profile (a 32 GB V100's plan, its guard's cap). The
+# HF rollout: vLLM 0.8.x needs torch 2.6, not the lent machine's. One batch for both
+# so tokens/s compare; 64, not the planner's 256, so that both fit one device call
+# (the planner picks the micro batches, offload and checkpointing at that batch).
+# BENCH_VOLTA_BATCH sets another (HF generation is launch-bound and costs about the
+# same at any batch, so a larger one shows more of the update's fp16 speed-up).
+VOLTA_BATCH = int(os.environ.get("BENCH_VOLTA_BATCH", "64"))
+FP16 = {"rollout": "hf", "train_batch_size": VOLTA_BATCH}
+FP32 = {**FP16, "compute_dtype": "fp32"}
+# The recorded nvidia-smi line `job command` plans against on the lent GPU, per profile.
+PROFILE_SMI = {
+    "pascal": ROOT / "tests" / "data" / "detect" / "p40.nvidia-smi.csv",
+    "volta": ROOT / "tests" / "data" / "detect" / "v100.nvidia-smi.csv",
+}
 LORA = {"lora_rank": 32, "lora_alpha": 32, "lora_target_modules": []}  # empty: all-linear
 
 SETTINGS: dict[str, Setting] = {
@@ -171,6 +190,30 @@ SETTINGS: dict[str, Setting] = {
             kind="learn",
             job={"train_batch_size": 64, **GRPO},
             overrides=LEARN,
+        ),
+        Setting(
+            "fp16-volta",
+            f"the volta profile's fp16 with the loss scaler, batch {VOLTA_BATCH} (PPO, GAE; "
+            "HF rollout)",
+            job=dict(FP16),
+            overrides=KL_LOSS,
+            profile="volta",
+        ),
+        Setting(
+            "fp32-volta",
+            f"the volta profile forced to fp32 (the baseline of fp16-volta), batch {VOLTA_BATCH}",
+            job=dict(FP32),
+            overrides=KL_LOSS,
+            profile="volta",
+            guard_dtype="fp32",
+        ),
+        Setting(
+            "learn-fp16",
+            "learning check (PPO) in fp16 with the loss scaler, the volta profile",
+            kind="learn",
+            job={"train_batch_size": 64, "rollout": "hf"},
+            overrides=LEARN,
+            profile="volta",
         ),
     )
 }
@@ -220,10 +263,20 @@ def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -
         "save_freq": steps,  # a job must save; BENCH_OVERRIDES turns it off for the bench
         "prompt_length": assets["prompt_length"],
         "response_length": assets["response_length"],
-        "profile": GUARD_PROFILE if scale == "gpu" else "cpu",
+        "profile": setting.profile if scale == "gpu" else "cpu",
         **job,
         "overrides": overrides,
     }
+
+
+def gpu_profile_env(setting: Setting, scale: str) -> dict[str, str]:
+    """On the GPU, for a profile other than pascal: the card `job command` plans against
+    (bench/setup.sh's engine wrapper reads BENCH_SMI_FILE) and verl patched for that
+    profile (setup.sh patches a copy of the carry's pascal tree: verl-tree-<profile>)."""
+    if scale != "gpu" or setting.profile == GUARD_PROFILE:
+        return {}
+    tree = HOME / "env" / f"verl-tree-{setting.profile}"
+    return {"BENCH_SMI_FILE": str(PROFILE_SMI[setting.profile]), "VERL_DIR": str(tree)}
 
 
 def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
@@ -249,7 +302,7 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
     composed = json.loads(
         engine(
             "job", "command", "--env-file", str(out / "job.env"), "--json",
-            env={"STATE_DIRECTORY": str(state)},
+            env={"STATE_DIRECTORY": str(state), **gpu_profile_env(setting, scale)},
         )
     )  # fmt: skip
     env = {
@@ -258,9 +311,12 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
         # verl-train copies its output to LOGS_DIRECTORY/<job>.log when that directory
         # exists; it does not: train.log already holds the same lines.
         "LOGS_DIRECTORY": str(out / "verl-log"),
-        **guard.environment(GUARD_PROFILE, str(out / "guard.jsonl")),
+        **guard.environment(setting.profile, str(out / "guard.jsonl")),
         "OLDGPU_GUARD_OPS_STEPS": str(report.ops_steps(composed["argv"])),
+        **gpu_profile_env(setting, scale),
     }
+    if setting.guard_dtype:
+        env["OLDGPU_GUARD_DTYPE"] = setting.guard_dtype
     if scale != "gpu":
         env["OLDGPU_GUARD_DEVICE"] = "cpu"  # watch the CPU tensors: the fp32 path there
     return {
@@ -384,7 +440,7 @@ def execute(run: dict[str, Any], out: Path, deadline: float | None) -> dict[str,
                     f"{m.get('timing_s/step', float('nan')):.2f} s, "
                     f"{m.get('perf/throughput', float('nan')):.1f} tok/s, "
                     f"reserved {m.get('perf/max_memory_reserved_gb', float('nan')):.2f} GB, "
-                    f"score {m.get('critic/score/mean', float('nan')):.4f}",
+                    f"score {m.get('critic/score/mean', float('nan')):.4f}" + report.scaler_text(m),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -474,7 +530,7 @@ def main() -> None:
         keys = ("setting", "rc", "timed_out", "steps_done", "first_step_wall_s", "wall_s")
         keys += ("tokens_per_s", "s_per_step", "peak_allocated_gb", "peak_reserved_gb")
         keys += ("guard_ok", "ran_job_command", "doctor", "score_first5", "score_last5")
-        keys += ("learned",)
+        keys += ("learned", "grad_scale_last", "skipped_steps", "skipped_after_step_2")
         print("[bench] result " + json.dumps({k: result.get(k) for k in keys}))
         if not result["guard_ok"]:
             print(f"[bench] guard: {json.dumps(result['guard'])[:1500]}", file=sys.stderr)

@@ -9,7 +9,9 @@
 #   bench/run.sh --cpu learn 25           # the learning check's own model, on CPU
 #
 # Settings: `python3 bench/ppo_bench.py settings` (a, b, grpo, grpo-lora, grpo-lora-1p5b,
-# learn, learn-grpo). Steps >= 2 are the timed ones.
+# learn, learn-grpo; fp16-volta, fp32-volta, learn-fp16 under the volta guard). Steps >= 2
+# are the timed ones.
+#   bench/run.sh fp16-volta 3 fp32-volta 3 learn-fp16 20   # fp16 + loss scaler vs fp32
 # The whole call keeps within BENCH_BUDGET_S (default 540 s, the device tool allows 600):
 # a run still going at the deadline is stopped and keeps the steps it finished, and a
 # setting is skipped when less than BENCH_MIN_LEFT_S (90 s) is left. The runs stay on

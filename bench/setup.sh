@@ -12,7 +12,9 @@
 #   VERL_VENV   this python's venv when it runs in one; else BENCH_HOME/venv, whose
 #               bin/python links to this python (the carried packages on PYTHONPATH)
 #   VERL_DIR    verl 0.5.0 patched for the profile (the carry's, pascal; on CPU the
-#               local sdist patched for the cpu profile)
+#               local sdist patched for the cpu profile). On the GPU also
+#               BENCH_HOME/env/verl-tree-volta: a copy re-patched for the volta profile
+#               (its fp16 loss scaler), made afresh by every call (seconds)
 #
 # Then it writes BENCH_HOME/env/env.sh (those, and PYTHONPATH with the guard's
 # sitecustomize first), records the machine and checks that verl's imports work with
@@ -115,8 +117,10 @@ PY
 #!/bin/bash
 # Written by bench/setup.sh: the engine as verl-train calls it (OLDGPU_BIN).
 # With a recording (GPU runs), \`oldgpu job command\` plans against a P40's
-# nvidia-smi line instead of this machine's GPU; everything else is unchanged.
+# nvidia-smi line instead of this machine's GPU (BENCH_SMI_FILE: another card's, for
+# the volta settings); everything else is unchanged.
 smi="$smi"
+[[ -n \$smi && -n \${BENCH_SMI_FILE:-} ]] && smi=\$BENCH_SMI_FILE
 if [[ -n \$smi && "\${1:-} \${2:-}" == "job command" ]]; then
   set -- "\$@" --nvidia-smi-file "\$smi"
 fi
@@ -145,6 +149,15 @@ fi
 
 # shellcheck source=/dev/null
 source "$env_dir/env.sh"
+if [[ $cpu != 1 ]]; then
+  # The volta settings' tree: the carry's, re-patched (revert, then apply) by this
+  # checkout's engine, so it always has this checkout's fp16 patch set.
+  rm -rf "$env_dir/verl-tree-volta"
+  cp -a "$env_dir/verl-tree" "$env_dir/verl-tree-volta"
+  PYTHONPATH=$root/src "$PYTHON" -m oldgpu patch "$env_dir/verl-tree-volta" --profile volta \
+    >"$rec/patch-volta.txt" 2>&1 || { say "oldgpu patch --profile volta failed"; cat "$rec/patch-volta.txt" >&2; exit 2; }
+  sed 's/^/[setup] volta tree: /' "$rec/patch-volta.txt" >&2
+fi
 {
   echo "date: $(date -u +%FT%TZ)"
   echo "host: $(hostname)"
@@ -192,4 +205,9 @@ OLDGPU_GUARD=pascal OLDGPU_GUARD_DEVICE=${OLDGPU_GUARD_DEVICE:-cuda} \
   "$PYTHON" -m oldgpu guard --check >"$rec/guard-check.txt" 2>&1 ||
   say "WARNING: oldgpu guard --check failed (the runs' guard logs will tell more)"
 sed 's/^/[setup] /' "$rec/guard-check.txt" >&2
+# The volta settings' guard: fp16 allowed, bf16 refused, a 32 GB V100's cap.
+OLDGPU_GUARD=volta OLDGPU_GUARD_DEVICE=${OLDGPU_GUARD_DEVICE:-cuda} \
+  "$PYTHON" -m oldgpu guard --check >"$rec/guard-check-volta.txt" 2>&1 ||
+  say "WARNING: oldgpu guard --check failed for volta"
+sed 's/^/[setup] volta: /' "$rec/guard-check-volta.txt" >&2
 say "ready: source $env_dir/env.sh"

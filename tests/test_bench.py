@@ -86,7 +86,7 @@ def test_settings_are_jobs_or_name_the_fields_they_lack(pb, tmp_path) -> None:
                 assert all(name in err.value.message for name in missing)
                 continue
             job = jobs.job_from_mapping(spec)
-            assert job.profile == ("pascal" if scale == "gpu" else "cpu")
+            assert job.profile == (setting.profile if scale == "gpu" else "cpu")
             if scale == "smoke":
                 assert 1 <= job.train_batch_size <= pb.SMOKE_BATCH
             offload = [o for o in job.overrides if "offload" in o]

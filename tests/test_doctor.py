@@ -168,7 +168,7 @@ def test_healthy_p40_passes_every_check():
     report = doctor_checks.evaluate(f)
     assert report["ok"] is True
     assert report["profile"] == "pascal-6.1"
-    assert report["summary"] == "9 ok, 0 warn, 0 fail"
+    assert report["summary"] == "10 ok, 0 warn, 0 fail"
     c = {x["id"]: x for x in report["checks"]}
     assert "535.183.01" in c["driver"]["seen"] and "520.61.05" in c["driver"]["seen"]
     assert "CC 6.1 (pascal) -> profile pascal-6.1: fp32, sdpa" in c["gpu-capability"]["seen"]
@@ -345,7 +345,7 @@ def test_cpu_profile_skips_the_device_checks():
     assert c["torch-build"]["status"] == "ok"
     assert c["triton"]["status"] == "ok"  # a CPU torch requires no triton
     assert c["bf16"]["status"] == "ok"
-    assert report["counts"] == {"ok": 5, "warn": 0, "fail": 0, "skip": 4}
+    assert report["counts"] == {"ok": 6, "warn": 0, "fail": 0, "skip": 4}
 
 
 def test_kepler_next_to_an_a100_has_no_kernel_image():
@@ -406,6 +406,7 @@ def test_recorded_h200_host():
         "torch-build": "warn",  # torch 2.11.0+cu130 is not the pin
         "triton": "ok",
         "flash-attn": "warn",  # the hopper profile would use flash_attention_2
+        "vllm": "warn",  # the hopper profile's rollout is vllm; none installed
         "verl-patch": "skip",
         "gpu-memory": "ok",
         "host-memory": "ok",
@@ -732,10 +733,10 @@ def test_cli_recorded_facts(run_cli, tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(healthy_p40()))
     code, out, _ = run_cli("doctor", "--facts", str(good), "--json")
-    assert code == 0 and out["summary"] == "9 ok, 0 warn, 0 fail"
+    assert code == 0 and out["summary"] == "10 ok, 0 warn, 0 fail"
     code, text, _ = run_cli("doctor", "--facts", str(good))
     assert code == 0 and text.rstrip().endswith(": ready")
-    assert sum(line[:1] == "✓" for line in text.splitlines()) == 9
+    assert sum(line[:1] == "✓" for line in text.splitlines()) == 10
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(_with_probe(triton="2.3.1")))
     code, out, _ = run_cli("doctor", "--facts", str(bad), "--json")
@@ -770,3 +771,34 @@ def test_cli_verl_dir_missing(run_cli, tmp_path):
     assert code == 3
     v = next(c for c in out["checks"] if c["id"] == "verl-patch")
     assert v["status"] == "fail" and "verl/" in v["fix"]
+
+
+# -- vLLM: on the vllm rollout's profiles, and why not on a P40 -------------------------
+
+
+def _with_vllm(f: dict[str, Any], version: str | None) -> dict[str, Any]:
+    f["probe"]["distributions"]["vllm"] = version
+    return f
+
+
+def test_vllm_absent_on_a_p40_is_explained():
+    c = checks(healthy_p40())["vllm"]
+    assert c["status"] == "ok"
+    assert "compute capability 7.0 and this is 6.1" in c["seen"] and "HF rollout" in c["seen"]
+    c = checks(_with_vllm(healthy_p40(), "0.8.5"))["vllm"]
+    assert c["status"] == "warn" and "cannot run here" in c["seen"]
+
+
+def test_vllm_on_a_v100():
+    v100 = device(name="Tesla V100-PCIE-32GB", cc="7.0", total=32510, free=32000)
+
+    def v100_facts(version, **kw):
+        f = facts("v100.nvidia-smi.csv", probe_facts=probe(devices=[v100]), **kw)
+        return _with_vllm(f, version)
+
+    c = checks(v100_facts("0.8.5"))["vllm"]
+    assert c["status"] == "ok" and "vLLM 0.8.5 (vllm rollout on profile volta-7.0)" in c["seen"]
+    c = checks(v100_facts("0.9.2"))["vllm"]
+    assert c["status"] == "fail" and "verl 0.5.0 takes 0.8.5" in c["seen"]
+    c = checks(v100_facts(None))["vllm"]
+    assert c["status"] == "warn" and "rollout: hf" in c["fix"]

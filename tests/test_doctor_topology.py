@@ -33,19 +33,19 @@ def test_acs_box_warns_with_the_cause_and_the_fix():
     assert topo["status"] == "warn" and "ACS" in topo["fix"] and "iommu=pt" in topo["fix"]
     assert topo["details"]["nccl_env"]["NCCL_P2P_DISABLE"] == "1"
     # A warning: the engine's NCCL_P2P_DISABLE keeps jobs working, so the host is ready.
-    assert rep["ok"] is True and rep["summary"] == "9 ok, 1 warn, 0 fail"
+    assert rep["ok"] is True and rep["summary"] == "10 ok, 1 warn, 0 fail"
 
 
 def test_healthy_switch_box_is_ok():
     rep = doctor_checks.evaluate(healthy_p40() | {"topology": report("4xp40-switch", ["mlx5_0"])})
-    assert rep["checks"][-1]["status"] == "ok" and rep["summary"] == "10 ok, 0 warn, 0 fail"
+    assert rep["checks"][-1]["status"] == "ok" and rep["summary"] == "11 ok, 0 warn, 0 fail"
 
 
 def test_no_topology_leaves_the_report_as_it_was():
     for topo in (None, {}):
         rep = doctor_checks.evaluate(healthy_p40() | {"topology": topo})
         assert [c["id"] for c in rep["checks"]] == list(doctor_checks.CHECK_IDS)
-        assert rep["counts"] == {"ok": 9, "warn": 0, "fail": 0, "skip": 0}
+        assert rep["counts"] == {"ok": 10, "warn": 0, "fail": 0, "skip": 0}
 
 
 def test_unreadable_topology_warns():

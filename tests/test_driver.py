@@ -279,23 +279,34 @@ def test_cuda_says_whether_the_driver_meets_its_minimum():
 
 
 @pytest.mark.parametrize(
-    ("version", "cuda", "fit"),
+    ("version", "cuda", "fit", "minimum"),
     [
-        ("470.256.02", "12.4", "too-old"),  # below 525.60.13, CUDA 12's floor
-        ("535.309.01", "12.4", "compat"),  # CUDA 12.4's own minimum is not pinned here
-        ("580.65.06", "13.0", "unknown"),
-        ("450.80.02", "11.2", "compat"),
+        ("470.256.02", "12.4", "too-old", "550.54.14"),  # below 525.60.13, CUDA 12's floor
+        # CUDA 12.4 (vLLM's torch): 535 only through minor-version compatibility.
+        ("535.309.01", "12.4", "compat", "550.54.14"),
+        ("550.54.14", "12.4", "ok", "550.54.14"),
+        ("580.65.06", "12.4", "ok", "550.54.14"),
+        ("580.65.06", "13.0", "unknown", None),
+        ("450.80.02", "11.2", "compat", None),
     ],
 )
-def test_cuda_fit_of_other_cudas(version, cuda, fit):
+def test_cuda_fit_of_other_cudas(version, cuda, fit, minimum):
     f = driver.cuda_fit(version, cuda, "loaded module")
-    assert f["fit"] == fit and f["is_pinned"] is False and f["min_driver"] is None
+    assert f["fit"] == fit and f["is_pinned"] is False and f["min_driver"] == minimum
+
+
+def test_report_says_how_the_driver_fits_vllms_cuda(run_cli):
+    r = recorded(run_cli, **{"proc-version-file": "proc-version.470.txt"})
+    assert r["vllm_cuda"]["version"] == "12.4" and r["vllm_cuda"]["fit"] == "too-old"
 
 
 def test_cli_cuda_flag(run_cli):
     r = recorded(run_cli, "--cuda", "12.4", **{"proc-version-file": "proc-version.470.txt"})
     assert r["cuda"]["version"] == "12.4" and r["cuda"]["fit"] == "too-old"
-    assert "needs >= 525.60.13 through minor-version compatibility" in r["cuda"]["message"]
+    assert (
+        "needs >= 550.54.14, or >= 525.60.13 through minor-version compatibility"
+        in r["cuda"]["message"]
+    )
 
 
 # -- bad input: a named error, never a traceback -------------------------------------------
@@ -385,6 +396,8 @@ def test_this_host_answers(run_cli):
     code, r, err = run_cli("--json")
     assert code == 0, err
     assert r["schema"] == 1
-    assert set(r) == {"schema", "installed", "loaded", "dkms", "reboot", "cuda", "sources"}
+    assert set(r) == {
+        "schema", "installed", "loaded", "dkms", "reboot", "cuda", "vllm_cuda", "sources",
+    }  # fmt: skip
     assert r["sources"]["lib_modules"] == driver.LIB_MODULES
     assert r["cuda"]["fit"] in ("ok", "compat", "too-old", "unknown", "none")

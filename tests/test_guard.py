@@ -71,6 +71,15 @@ def test_other_old_profiles() -> None:
     volta = guard.policy_for("volta")
     assert volta.torch_compile and not volta.flash_attn and not volta.tf32
     assert volta.gpu_name.startswith("Tesla V100")
+    # fp16 profiles: fp16 allowed, bf16 refused; the card's memory (32 GB V100, 16 GB T4).
+    assert (volta.compute_dtype, volta.forbidden_dtypes) == ("fp16", ("bfloat16",))
+    assert volta.memory_mib == 32 * 1024 - 1536
+    turing = guard.policy_for("turing-7.5")
+    assert (turing.compute_dtype, turing.forbidden_dtypes) == ("fp16", ("bfloat16",))
+    assert turing.memory_mib == 16 * 1024 - 1536 and not turing.flash_attn
+    # The fp32 baseline on a V100: fp16 refused too.
+    fp32 = guard.policy_from_env({guard.ENV_GUARD: "volta", guard.ENV_DTYPE: "fp32"})
+    assert fp32.forbidden_dtypes == ("bfloat16", "float16")
     kepler = guard.policy_for("kepler")
     assert not kepler.mem_efficient_sdp  # below sm50: math only
     assert guard.policy_for("pascal-6.0").gpu_name.startswith("Tesla P100")

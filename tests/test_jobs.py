@@ -249,10 +249,55 @@ def test_v100_command(job_dir):
     assert prof["name"].startswith("volta")
     o = overrides_of(doc)
     assert o["trainer.n_gpus_per_node"] == "1"
-    assert o["actor_rollout_ref.rollout.name"] == "hf"
+    # fp16 with vLLM (V0 engine, XFORMERS) and the planner's vLLM settings.
+    assert o["actor_rollout_ref.rollout.name"] == "vllm"
+    assert o["actor_rollout_ref.rollout.dtype"] == "float16"
+    assert o["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == "fp32"
+    assert 0 < float(o["actor_rollout_ref.rollout.gpu_memory_utilization"]) <= 0.9
+    assert int(o["actor_rollout_ref.rollout.max_num_batched_tokens"]) >= 512
+    assert int(o["actor_rollout_ref.rollout.max_num_seqs"]) == int(o["data.train_batch_size"])
+    env = doc["environment"]
+    assert env["OLDGPU_COMPUTE_DTYPE"] == "fp16"
+    assert (env["VLLM_USE_V1"], env["VLLM_ATTENTION_BACKEND"]) == ("0", "XFORMERS")
     # More memory than a P40: a plan at least as large.
     p40, _ = compose_for(job_dir, "p40")
     assert int(o["data.train_batch_size"]) >= int(overrides_of(p40)["data.train_batch_size"])
+
+
+def test_v100_job_may_choose_hf_and_fp32(job_dir):
+    doc, prof = compose_for(job_dir, "v100", rollout="hf", compute_dtype="fp32")
+    o = overrides_of(doc)
+    assert (prof["rollout"], prof["compute_dtype"]) == ("hf", "fp32")
+    assert o["actor_rollout_ref.rollout.name"] == "hf"
+    assert not any("gpu_memory_utilization" in k or "rollout.dtype" in k for k in o)
+    env = doc["environment"]
+    assert env["OLDGPU_COMPUTE_DTYPE"] == "fp32" and "VLLM_USE_V1" not in env
+    fp16, _ = compose_for(job_dir, "v100", rollout="hf")
+    assert fp16["environment"]["OLDGPU_COMPUTE_DTYPE"] == "fp16"
+    # fp16's activations are half fp32's: a plan at least as large.
+    assert int(overrides_of(fp16)["data.train_batch_size"]) >= int(o["data.train_batch_size"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"rollout": "sglang"}, "rollout"),
+        ({"compute_dtype": "fp64"}, "compute_dtype"),
+        ({"profile": "pascal", "rollout": "vllm"}, "compute capability 7.0"),
+        ({"profile": "volta", "compute_dtype": "bf16"}, "fp32"),
+    ],
+)
+def test_rollout_and_dtype_choices_are_checked(job_dir, extra, words):
+    with pytest.raises(EngineError) as exc:
+        jobs.job_from_mapping(spec(job_dir, **extra))
+    assert exc.value.name == "job-config-invalid" and exc.value.code == 4
+    assert words in exc.value.message
+
+
+def test_a_p40_refuses_a_vllm_job_when_it_starts(job_dir):
+    with pytest.raises(EngineError) as exc:
+        compose_for(job_dir, "p40", rollout="vllm")
+    assert exc.value.code == 4 and "vLLM" in exc.value.message
 
 
 def test_cpu_command(job_dir):

@@ -70,3 +70,38 @@ def test_lock_versions_satisfy_verl_requirements():
     td = tuple(int(x) for x in lock["tensordict"].split("."))
     assert (0, 8, 0) <= td <= (0, 9, 1) and td[:2] + td[2:] != (0, 9, 0)
     assert lock["transformers"].startswith("4.51.")
+
+
+# -- the vllm lock (hosts whose profile's rollout is vllm) ---------------------------------
+
+VLLM_LOCK = ROOT / "files/requirements" / "vllm.lock"
+
+
+def test_vllm_lock_has_every_pin_and_vllm_at_its_version():
+    lock = read_lock(VLLM_LOCK)
+    # vLLM's wheels are built against the default index's torch (CUDA 12.4): no label.
+    assert pins.get("vllm.torch_variant") == "pypi"
+    local = pins.get("torch.variants.pypi.local_version")
+    for name, version in pins.get("python_packages").items():
+        want = version + local if name == "torch" else version
+        assert lock.get(name) == want, f"vllm.lock has {name}=={lock.get(name)}, pins say {want}"
+    assert lock["vllm"] == pins.get("vllm.version")
+    # verl 0.5.0's setup.py: vllm>=0.7.3,<=0.8.5.
+    v = tuple(int(x) for x in lock["vllm"].split("."))
+    assert (0, 7, 3) <= v <= (0, 8, 5)
+    # The XFORMERS backend the pre-Ampere profiles name, and CUDA 12's runtime wheels.
+    assert "xformers" in lock
+    assert [n for n in lock if n.endswith("-cu12")] and not [n for n in lock if n.endswith("-cu11")]
+
+
+def test_vllm_lock_agrees_with_the_pypi_lock_on_the_stack():
+    # Transitive packages may differ (vLLM pins its own, e.g. opentelemetry); the
+    # stack verl runs on may not.
+    pypi, vllm = read_lock(LOCKS["pypi"]), read_lock(VLLM_LOCK)
+    for name in (*pins.get("python_packages"), "nvidia-cudnn-cu12", "nvidia-nccl-cu12"):
+        assert vllm[name] == pypi[name], name
+
+
+def test_vllm_cuda_is_the_pypi_torch_build():
+    assert pins.get("vllm.cuda") == "12.4"
+    assert "CUDA 12.4" in pins.get("torch.variants.pypi.description")

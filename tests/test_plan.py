@@ -381,7 +381,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, Any, str]:
     ("flags", "dtype", "rollout"),
     [
         (["--arch", "pascal"], "fp32", "hf"),
-        (["--profile", "volta-7.0"], "fp32", "hf"),
+        (["--profile", "volta-7.0"], "fp16", "vllm"),
         (["--cc", "8.0"], "bf16", "vllm"),
         (["--profile", "cpu", "--host-mib", "65536"], "fp32", "hf"),
     ],
@@ -398,9 +398,19 @@ def test_each_profile_plans(capsys, monkeypatch, flags, dtype, rollout):
     if rollout == "hf":
         assert vllm_keys == []
     else:
-        assert vllm_keys == ["actor_rollout_ref.rollout.gpu_memory_utilization"]
-        util = float(doc["hydra_overrides"][keys.index(vllm_keys[0])].split("=")[1])
+        assert vllm_keys == [
+            "actor_rollout_ref.rollout.gpu_memory_utilization",
+            "actor_rollout_ref.rollout.max_num_seqs",
+            "actor_rollout_ref.rollout.max_num_batched_tokens",
+        ]
+        value = {k: o.split("=", 1)[1] for k, o in zip(keys, doc["hydra_overrides"], strict=True)}
+        util = float(value[vllm_keys[0]])
         assert 0 < util <= plan.VLLM_MAX_UTILIZATION
+        # The whole rollout batch at once; a step schedules at least one whole sequence.
+        assert int(value[vllm_keys[1]]) == doc["choice"]["train_batch_size"]
+        seq = doc["inputs"]["prompt_length"] + doc["inputs"]["response_length"]
+        assert int(value[vllm_keys[2]]) >= seq
+        assert value["actor_rollout_ref.rollout.enforce_eager"] in ("True", "False")
     if "cpu" in flags:
         assert doc["inputs"]["memory_source"] == "host"
         assert not any(v for k, v in doc["choice"]["offload"].items() if k != "level")
@@ -591,3 +601,24 @@ def test_overrides_compose_with_verls_own_config(verl_pristine, name):
     assert cfg.actor_rollout_ref.rollout.response_length == found.inputs.response_length
     if found.inputs.critic:
         assert cfg.critic.forward_micro_batch_size_per_gpu == c.critic_micro
+
+
+def test_vllm_settings_follow_the_generate_phase():
+    from oldgpu.plan.memory import VLLM_CUDA_GRAPH_MIB, PhaseEstimate, vllm_settings
+
+    inp = plan.Inputs(
+        memory_mib=16384, gpus=1, shape=plan.SHAPES["qwen2.5-0.5b"], prompt_length=1024,
+        response_length=8000, compute_dtype="fp16", rollout="vllm", rollout_n=2,
+    )  # fmt: skip
+
+    def phase(resident: float) -> PhaseEstimate:
+        return PhaseEstimate({"w": resident}, {"decode": {"kv": 1000.0}}, context=500.0)
+
+    roomy = vllm_settings(inp, 64, phase(1000.0))
+    assert roomy["max_num_seqs"] == 128  # 64 prompts x rollout.n 2 on one GPU
+    assert roomy["max_num_batched_tokens"] == 9024  # a whole sequence, above 8192
+    assert roomy["enforce_eager"] is False
+    # Less than the graphs' budget left beside the generate phase: eager.
+    tight = vllm_settings(inp, 64, phase(16384.0 - 1500.0 - VLLM_CUDA_GRAPH_MIB + 1))
+    assert tight["enforce_eager"] is True
+    assert 0 < tight["gpu_memory_utilization"] <= plan.VLLM_MAX_UTILIZATION

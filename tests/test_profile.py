@@ -36,6 +36,8 @@ PROFILE_KEYS = {
     "flash_attn_allowed",
     "vllm_allowed",
     "hydra_overrides",
+    "rollout_environment",
+    "python_lock",
     "patch_options",
     "notes",
 }
@@ -87,8 +89,8 @@ def test_every_detected_architecture_has_a_profile():
         ("kepler", "fp32", "sdpa", "eager", "hf", False, False, False),
         ("maxwell", "fp32", "sdpa", "eager", "hf", False, False, False),
         ("pascal", "fp32", "sdpa", "eager", "hf", False, False, False),
-        ("volta", "fp32", "sdpa", "eager", "hf", True, False, True),
-        ("turing", "fp32", "sdpa", "eager", "hf", True, False, True),
+        ("volta", "fp16", "sdpa", "eager", "vllm", True, False, True),
+        ("turing", "fp16", "sdpa", "eager", "vllm", True, False, True),
         ("ampere", "bf16", "flash_attention_2", "sdpa", "vllm", True, True, True),
         ("ada", "bf16", "flash_attention_2", "sdpa", "vllm", True, True, True),
         ("hopper", "bf16", "flash_attention_2", "sdpa", "vllm", True, True, True),
@@ -115,7 +117,8 @@ def test_decisions(arch, dtype, attn, fallback, rollout, compile_, flash, vllm):
 )
 def test_no_bf16_below_8_0(cc):
     p = profile.profile_for_cc(cc)
-    assert p["compute_dtype"] == "fp32"
+    # fp16 where there are tensor cores (7.x), fp32 below.
+    assert p["compute_dtype"] == ("fp16" if detect.cc_tuple(cc) >= (7, 0) else "fp32")
     assert not p["flash_attn_allowed"]
     assert not any("bf16" in o for o in p["hydra_overrides"])
 
@@ -140,7 +143,8 @@ def test_table_only_loosens_with_generation():
     for older, newer in itertools.pairwise(rows):
         for flag in ("torch_compile", "flash_attn_allowed", "vllm_allowed"):
             assert getattr(older, flag) <= getattr(newer, flag)
-        assert not (older.compute_dtype == "bf16" and newer.compute_dtype == "fp32")
+        rank = {"fp32": 0, "fp16": 1, "bf16": 2}
+        assert rank[older.compute_dtype] <= rank[newer.compute_dtype]
         assert detect.cc_tuple(older.cc) < detect.cc_tuple(newer.cc)
     for row in rows:
         assert (row.compute_dtype == "bf16") is (detect.cc_tuple(row.cc) >= (8, 0))
@@ -267,8 +271,8 @@ def test_unknown_architecture_is_named():
         (["p40-470.nvidia-smi.csv"], "pascal-6.1", "fp32", "hf"),
         (["p100.nvidia-smi.csv"], "pascal-6.0", "fp32", "hf"),
         (["2xp40.nvidia-smi.csv"], "pascal-6.1", "fp32", "hf"),
-        (["v100.nvidia-smi.csv"], "volta-7.0", "fp32", "hf"),
-        (["t4.nvidia-smi.csv"], "turing-7.5", "fp32", "hf"),
+        (["v100.nvidia-smi.csv"], "volta-7.0", "fp16", "vllm"),
+        (["t4.nvidia-smi.csv"], "turing-7.5", "fp16", "vllm"),
         (["a100.nvidia-smi.csv"], "ampere-8.0", "bf16", "vllm"),
         (["p40-unnamed.lspci.txt"], "pascal-6.1", "fp32", "hf"),
         (["h100.lspci.txt"], "hopper-9.0", "bf16", "vllm"),
@@ -422,3 +426,57 @@ def test_overrides_compose_with_verls_own_config(verl_pristine, arch):
     for override in overrides:
         key, value = override.lstrip("+").split("=", 1)
         assert str(OmegaConf.select(cfg, key)) == value, override
+
+
+# -- volta and turing: fp16, vLLM, and a job's choices -----------------------------
+
+
+@pytest.mark.parametrize("arch", ["volta", "turing"])
+def test_fp16_profiles_compose_vllm_in_fp16(arch):
+    p = profile.profile_for_arch(arch)
+    o = p["hydra_overrides"]
+    # Weights stay fp32 (the scaler needs fp32 grads); only autocast is fp16.
+    assert "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32" in o
+    assert "+actor_rollout_ref.ref.fsdp_config.model_dtype=fp32" in o
+    assert "actor_rollout_ref.rollout.name=vllm" in o
+    assert "actor_rollout_ref.rollout.dtype=float16" in o
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=1" in o
+    assert p["rollout_environment"] == {"VLLM_USE_V1": "0", "VLLM_ATTENTION_BACKEND": "XFORMERS"}
+    assert p["patch_options"]["compute_dtype"] == "fp16"
+    assert any("fp16-loss-scaler" in n for n in p["notes"])
+    assert p["python_lock"] == "vllm"  # python_env installs files/requirements/vllm.lock
+
+
+def test_pascal_profile_unchanged_by_the_fp16_rows():
+    p = profile.profile_for_arch("pascal")
+    assert p["rollout_environment"] == {} and p["python_lock"] is None
+    assert not any("vllm" in o or "float16" in o for o in p["hydra_overrides"])
+
+
+def test_a_job_may_choose_hf_and_fp32_on_volta():
+    p = profile.profile_for_arch("volta")
+    hf = profile.with_choices(p, rollout="hf")
+    assert hf["rollout"] == "hf" and hf["compute_dtype"] == "fp16"
+    assert "actor_rollout_ref.rollout.name=hf" in hf["hydra_overrides"]
+    assert not any("rollout.dtype" in o for o in hf["hydra_overrides"])
+    assert hf["rollout_environment"] == {}
+    fp32 = profile.with_choices(p, rollout="hf", compute_dtype="fp32")
+    assert fp32["compute_dtype"] == "fp32" and fp32["name"] == "volta-7.0"
+    # The same patched tree: the fp16 set passes through at fp32 at run time.
+    assert fp32["patch_options"]["compute_dtype"] == "fp16"
+    assert profile.with_choices(p) == p
+
+
+@pytest.mark.parametrize(
+    ("arch", "choices", "error"),
+    [
+        ("pascal", {"rollout": "vllm"}, "rollout-unsupported"),
+        ("volta", {"rollout": "sglang"}, "rollout-unknown"),
+        ("volta", {"compute_dtype": "bf16"}, "compute-dtype-unsupported"),
+        ("pascal", {"compute_dtype": "fp16"}, "compute-dtype-unsupported"),
+    ],
+)
+def test_choices_the_card_cannot_take_are_refused(arch, choices, error):
+    with pytest.raises(EngineError) as exc:
+        profile.with_choices(profile.profile_for_arch(arch), **choices)
+    assert exc.value.name == error

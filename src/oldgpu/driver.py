@@ -39,6 +39,11 @@ DPKG_FORMAT = "${Package}\\t${Version}\\t${db:Status-Status}\\n"
 # compatibility (NVIDIA's CUDA compatibility guide: no PTX JIT below the
 # release's own minimum); the pinned CUDA's own minimum is pins cuda.min_driver.
 MINOR_COMPAT_DRIVER = {11: "450.80.02", 12: "525.60.13"}
+# Each CUDA release's own minimum driver (its release notes' table, Linux) for the
+# CUDAs the project runs besides the pinned one: 12.4 is what the default index's
+# torch 2.6.0, and so vLLM 0.8.5's wheels, are built with (pins vllm.cuda). The 535
+# branch runs it only through minor-version compatibility; 550 and newer fully.
+CUDA_MIN_DRIVER = {"12.4": "550.54.14"}
 
 # Packages that carry the kernel module: Debian's nvidia-kernel-dkms,
 # nvidia-tesla-470-kernel-dkms, nvidia-open-kernel-dkms; Ubuntu's and NVIDIA's
@@ -255,7 +260,8 @@ def cuda_fit(
     cuda = cuda or pinned
     is_pinned = version_tuple(cuda)[:2] == version_tuple(pinned)[:2]
     floor = minor_compat_floor(cuda)
-    minimum = str(pins.get("cuda.min_driver")) if is_pinned else None
+    minor = ".".join(map(str, version_tuple(cuda)[:2]))
+    minimum = str(pins.get("cuda.min_driver")) if is_pinned else CUDA_MIN_DRIVER.get(minor)
     if not driver:
         fit = "none"
     elif minimum and compare_versions(driver, minimum) >= 0:
@@ -511,6 +517,8 @@ def report(inputs: Inputs, cuda: str | None = None) -> dict[str, Any]:
             installed["version"], loaded, inputs.reboot_required, inputs.reboot_required_by
         ),
         "cuda": cuda_fit(driver, cuda, source),
+        # vLLM's CUDA (the vllm rollout's hosts: volta, turing and newer profiles).
+        "vllm_cuda": cuda_fit(driver, str(pins.get("vllm.cuda")), source),
         "sources": dict(inputs.sources),
     }
 

@@ -9,6 +9,7 @@ must not repeat them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +54,17 @@ _ALL = tuple(BRANCH_FLAVOURS)
 #   and Volta. Open kernel modules need Turing or newer; Blackwell needs them.
 #   The default is Debian 12's packaged 535 (470 for Kepler).
 # - dtype: no bf16 below CC 8.0 (gate on the capability: torch's
-#   is_bf16_supported() counts emulation). fp16 is 1/64 rate on 6.1 and verl's
-#   FSDP path does no loss scaling, so everything below 8.0 trains in fp32.
+#   is_bf16_supported() counts emulation). fp16 is 1/64 rate on 6.1 (and 6.0 has
+#   no tensor cores), so Kepler..Pascal train in fp32. Volta and Turing have fp16
+#   tensor cores (V100 ~125 TFLOPS fp16 against 15.7 fp32, T4 65 against 8.1):
+#   fp16 autocast with weights and optimizer state in fp32, and the engine's
+#   fp16-loss-scaler patch (verl 0.5.0 has no loss scaler). A job may force fp32.
 # - attention: FlashAttention-2 needs sm80; PyTorch's SDPA (mem-efficient
 #   kernel from sm50) is the choice below, HF's eager the fallback.
 # - rollout: vLLM needs CC >= 7.0, so Kepler..Pascal have only verl 0.5.0's HF
-#   rollout. Volta and Turing could run vLLM (vllm_allowed), but without bf16
-#   and with the project's cu118 torch the tested path is HF there too.
+#   rollout. Volta and Turing take vLLM 0.8.5 (the newest verl 0.5.0 accepts) in
+#   fp16 on its V0 engine with the XFORMERS attention backend (its V1 engine and
+#   FlashAttention need newer cards); HF stays a fallback a job can choose.
 # - torch.compile: Triton/Inductor refuse CC < 7.0.
 # - cpu: no GPU (CI smoke runs); any branch may be installed, none is needed.
 # Rows are in generation order, which ``order`` records.
@@ -70,8 +75,8 @@ _TABLE: dict[str, tuple[Any, ...]] = {
     "kepler":    ("3.7",  (470,),          470,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
     "maxwell":   ("5.2",  (470, 535, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
     "pascal":    ("6.1",  (470, 535, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
-    "volta":     ("7.0",  (470, 535, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   True,   False, True),   # noqa: E501
-    "turing":    ("7.5",  (470, 535, 580), 535,  _PO,  "fp32", "sdpa",              "eager", "hf",   True,   False, True),   # noqa: E501
+    "volta":     ("7.0",  (470, 535, 580), 535,  _P,   "fp16", "sdpa",              "eager", "vllm", True,   False, True),   # noqa: E501
+    "turing":    ("7.5",  (470, 535, 580), 535,  _PO,  "fp16", "sdpa",              "eager", "vllm", True,   False, True),   # noqa: E501
     "ampere":    ("8.0",  (470, 535, 580), 535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
     "ada":       ("8.9",  (535, 580),      535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
     "hopper":    ("9.0",  (535, 580),      535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
@@ -82,6 +87,11 @@ PROFILES: dict[str, ArchProfile] = {
     arch: ArchProfile(order - 1, *row, device="cpu" if arch == "cpu" else "cuda")
     for order, (arch, row) in enumerate(_TABLE.items())
 }
+ROLLOUTS = ("hf", "vllm")
+# vLLM's environment below CC 8.0: the V0 engine (V1 failed on V100 in 0.8.x) and the
+# XFORMERS attention backend (vLLM's FlashAttention needs CC 8.0).
+VLLM_PRE_AMPERE_ENV = {"VLLM_USE_V1": "0", "VLLM_ATTENTION_BACKEND": "XFORMERS"}
+VLLM_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 # What a host without a GPU installs if the role runs anyway (Debian 12's
 # non-free nvidia-driver is 535).
 NO_GPU_BRANCH = PROFILES["cpu"].default_branch
@@ -232,8 +242,9 @@ def hydra_overrides(row: ArchProfile) -> list[str]:
     checks each against the yaml); Hydra refuses ``+`` on a key that exists.
     """
     out: list[str] = []
-    if row.compute_dtype == "fp32":
-        # FSDP mixed precision and the ref model default to bf16.
+    if row.compute_dtype in ("fp32", "fp16"):
+        # FSDP mixed precision and the ref model default to bf16. fp16 keeps the
+        # weights (and so the optimizer state) in fp32 too: only autocast is fp16.
         out += [
             "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
             "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
@@ -258,8 +269,63 @@ def hydra_overrides(row: ArchProfile) -> list[str]:
             "actor_rollout_ref.rollout.name=hf",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         ]
+    if row.rollout == "vllm" and row.compute_dtype != "bf16":
+        # verl's rollout config says bfloat16; vLLM refuses it below CC 8.0.
+        out += [
+            "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.rollout.dtype={VLLM_DTYPES[row.compute_dtype]}",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        ]
     if row.device == "cpu":
         out.append("trainer.device=cpu")
+    return out
+
+
+def rollout_environment(row: ArchProfile) -> dict[str, str]:
+    """What the rollout needs in the environment (vLLM's engine and backend below 8.0)."""
+    if row.rollout == "vllm" and row.compute_dtype != "bf16":
+        return dict(VLLM_PRE_AMPERE_ENV)
+    return {}
+
+
+def with_choices(
+    prof: Mapping[str, Any], rollout: str = "", compute_dtype: str = ""
+) -> dict[str, Any]:
+    """A profile with a job's choices applied: the HF rollout where the profile says
+    vLLM, or fp32 where it says fp16 (the baseline fp16 is compared against). Only
+    what the card can do; anything else is a named error."""
+    if not rollout and not compute_dtype:
+        return dict(prof)
+    arch = prof["architecture"]
+    row = PROFILES[arch]
+    if rollout and rollout not in ROLLOUTS:
+        raise EngineError("rollout-unknown", f"rollout {rollout!r}: expected one of {ROLLOUTS}")
+    if rollout == "vllm" and not row.vllm_allowed:
+        raise EngineError(
+            "rollout-unsupported",
+            f"rollout vllm: vLLM needs compute capability 7.0 or newer; profile "
+            f"{prof['name']} has only the HF rollout",
+        )
+    if compute_dtype and compute_dtype not in (row.compute_dtype, "fp32"):
+        raise EngineError(
+            "compute-dtype-unsupported",
+            f"compute dtype {compute_dtype!r}: profile {prof['name']} computes in "
+            f"{row.compute_dtype} and may be forced to fp32, nothing else",
+        )
+    changed = dataclasses.replace(
+        row,
+        rollout=rollout or row.rollout,
+        compute_dtype=compute_dtype or row.compute_dtype,
+    )
+    out = dict(prof)
+    out.update(
+        compute_dtype=changed.compute_dtype,
+        rollout=changed.rollout,
+        hydra_overrides=hydra_overrides(changed),
+        rollout_environment=rollout_environment(changed),
+    )
+    # The patch keeps the profile's dtype (its fp16 set is a pass-through at fp32
+    # through OLDGPU_COMPUTE_DTYPE), so one patched tree serves both.
     return out
 
 
@@ -289,6 +355,16 @@ def _notes(
         notes.append("no GPU: the cpu profile (CI smoke runs)")
     elif row.compute_dtype == "fp32":
         notes.append("fp32: no bf16 below compute capability 8.0")
+    elif row.compute_dtype == "fp16":
+        notes.append(
+            "fp16 autocast with a loss scaler (oldgpu patch's fp16-loss-scaler): no bf16 "
+            "below compute capability 8.0; weights and optimizer state stay fp32"
+        )
+    if row.rollout == "vllm" and row.compute_dtype != "bf16":
+        notes.append(
+            f"vLLM {pins.get('vllm.version')} on its V0 engine with the XFORMERS attention "
+            "backend (FlashAttention needs 8.0); a job may choose rollout hf instead"
+        )
     return notes
 
 
@@ -336,6 +412,9 @@ def profile_for_gpus(
         "flash_attn_allowed": row.flash_attn_allowed,
         "vllm_allowed": row.vllm_allowed,
         "hydra_overrides": hydra_overrides(row),
+        "rollout_environment": rollout_environment(row),
+        # The Python lock the host takes besides the variant's (python_env reads it).
+        "python_lock": "vllm" if row.rollout == "vllm" else None,
         "patch_options": {
             "compute_dtype": row.compute_dtype,
             "attn_implementation": row.attn_implementation,

@@ -16,7 +16,12 @@ from oldgpu.doctor.checks_gpu import check_bf16, check_driver, check_gpu_capabil
 from oldgpu.doctor.checks_memory import check_gpu_memory, check_host_memory
 from oldgpu.doctor.checks_topology import CHECK_ID as TOPOLOGY_CHECK_ID
 from oldgpu.doctor.checks_topology import check_topology
-from oldgpu.doctor.checks_torch import check_flash_attn, check_torch_build, check_triton
+from oldgpu.doctor.checks_torch import (
+    check_flash_attn,
+    check_torch_build,
+    check_triton,
+    check_vllm,
+)
 from oldgpu.doctor.checks_verl import check_verl_patch
 from oldgpu.doctor.common import resolve_profile
 
@@ -29,6 +34,7 @@ CHECK_IDS = (
     "torch-build",
     "triton",
     "flash-attn",
+    "vllm",
     "verl-patch",
     "gpu-memory",
     "host-memory",
@@ -52,6 +58,7 @@ def evaluate(
         check_torch_build(facts, prof),
         check_triton(facts, prof),
         check_flash_attn(facts, prof),
+        check_vllm(facts, prof),
         check_verl_patch(facts, prof),
         check_gpu_memory(facts, prof, min_free_gpu_mib),
         check_host_memory(facts, min_free_host_mib),

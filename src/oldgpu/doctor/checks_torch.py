@@ -298,3 +298,46 @@ def check_flash_attn(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) -
             f"unset OLDGPU_ATTN_IMPLEMENTATION (or set it to {prof['attn_implementation']})",
         )
     return c.result()
+
+
+def check_vllm(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM where the profile's rollout is vllm (the pinned version verl 0.5.0 accepts),
+    and why there is none on a card below compute capability 7.0."""
+    c = Check("vllm")
+    probe = probe_of(facts)
+    if "error" in probe:
+        return c.add("skip", "cannot probe the venv (see torch-build)").result()
+    if prof is None:
+        return c.add("skip", "no profile (see gpu-capability)").result()
+    version = (probe.get("distributions") or {}).get("vllm")
+    want = str(pins.get("vllm.version"))
+    c.details = {"version": version, "pinned": want, "rollout": prof["rollout"]}
+    cc = prof.get("compute_capability") or "no GPU"
+    if not prof["vllm_allowed"]:
+        why = (
+            f"vLLM needs compute capability {pins.get('vllm.min_compute_capability')} "
+            f"and this is {cc} (profile {prof['name']}): verl 0.5.0's HF rollout"
+        )
+        if version:
+            c.add("warn", f"vLLM {version} is installed but cannot run here; {why}",
+                  "pip uninstall vllm (nothing here uses it)")  # fmt: skip
+        else:
+            c.add("ok", f"no vLLM: {why}")
+    elif version and version != want:
+        c.add(
+            "fail",
+            f"vLLM {version} is installed; verl 0.5.0 takes {want} (>=0.7.3,<=0.8.5)",
+            "converge python_env (its vllm lock)",
+        )
+    elif version:
+        c.add("ok", f"vLLM {version} ({prof['rollout']} rollout on profile {prof['name']})")
+    elif prof["rollout"] == "vllm":
+        c.add(
+            "warn",
+            f"vLLM is not installed; profile {prof['name']}'s rollout is vllm",
+            "converge python_env (it installs the vllm lock on this profile), or set the "
+            "job's rollout: hf",
+        )
+    else:
+        c.add("ok", f"no vLLM ({prof['rollout']} rollout)")
+    return c.result()

@@ -69,7 +69,7 @@ out["distributions"] = {
     "triton-pascal": dist("triton-pascal", "triton_pascal"),
     "flash-attn": dist("flash-attn", "flash_attn"),
     "nvidia-ml-py": dist("nvidia-ml-py", "nvidia_ml_py"), "pynvml": dist("pynvml"),
-    "verl": dist("verl"),
+    "verl": dist("verl"), "vllm": dist("vllm"),
 }
 out["modules"] = {name: where(name) for name in ("flash_attn", "pynvml", "verl")}
 try:

@@ -20,13 +20,23 @@ from oldgpu.output import EngineError
 
 
 def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """The job's forced profile, else the one of the GPUs fitted now."""
+    """The job's forced profile, else the one of the GPUs fitted now; with the job's
+    rollout and dtype choices applied."""
     if job.profile:
         arch, cc = profile_name(job.profile)
-        return profile.profile_for_arch(arch, cc)
+        return with_choices(job, profile.profile_for_arch(arch, cc))
     if gpus is None:
         gpus = detect.detect()["gpus"]
-    return profile.profile_for_gpus(gpus)
+    return with_choices(job, profile.profile_for_gpus(gpus))
+
+
+def with_choices(job: Job, prof: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile with the job's ``rollout``/``compute_dtype`` (the profile refuses what
+    the card cannot do; a config error: restarting will not help)."""
+    try:
+        return profile.with_choices(prof, job.rollout, job.compute_dtype)
+    except EngineError as exc:
+        raise invalid(exc.message) from None
 
 
 def plan_inputs(
@@ -183,6 +193,8 @@ def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) ->
         "XDG_CACHE_HOME": str(paths["cache"]),
         "OLDGPU_COMPUTE_DTYPE": prof["compute_dtype"],
         "OLDGPU_ATTN_IMPLEMENTATION": prof["attn_implementation"],
+        # vLLM's engine and attention backend below CC 8.0 (none for the HF rollout).
+        **prof.get("rollout_environment", {}),
         # Ray's session files in the unit's private /tmp: one per job, gone when it stops.
         "RAY_TMPDIR": "/tmp/ray",
         # Every worker's line in the journal, without terminal colour codes.
@@ -247,7 +259,7 @@ def compose_for_host(
             )
             gpus = [g for g in gpus if g["index"] in cards]
             if not job.profile:
-                prof = profile.profile_for_gpus(gpus)
+                prof = with_choices(job, profile.profile_for_gpus(gpus))
             if len(cards) > 1:
                 nccl = _nccl_env(cards, args)
         for key in ("train_files", "val_files"):

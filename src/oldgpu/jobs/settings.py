@@ -69,6 +69,8 @@ FIELDS: tuple[Field, ...] = (
     Field("lora_alpha", "int", 0, "LoRA alpha (0: twice lora_rank)"),
     Field("lora_target_modules", "list", [], "modules LoRA adapts, e.g. [q_proj, v_proj] (empty: all-linear)"),  # noqa: E501
     Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
+    Field("rollout", "str", "", "hf or vllm instead of the profile's rollout (empty: the profile's)"),  # noqa: E501
+    Field("compute_dtype", "str", "", "fp32 instead of the profile's dtype (empty: the profile's)"),
     Field("overrides", "list", [], "extra Hydra overrides, applied last"),
     Field("enabled", "bool", True, "start the job at boot"),
 )
@@ -111,6 +113,8 @@ class Job:
     lora_alpha: int
     lora_target_modules: tuple[str, ...]
     profile: str
+    rollout: str
+    compute_dtype: str
     overrides: tuple[str, ...]
 
     # Where its state lives: systemd's StateDirectory= (STATE_DIRECTORY), else the default.
@@ -195,9 +199,16 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             raise invalid(f"overrides: {item!r} is not a Hydra override (key=value)")
     if out["profile"] and profile_name(out["profile"])[0] not in profile.PROFILES:
         raise invalid(f"profile: {out['profile']!r} is not one of {sorted(profile.PROFILES)}")
+    if out["rollout"] not in ("", *profile.ROLLOUTS):
+        raise invalid(f"rollout: {out['rollout']!r} is not one of {list(profile.ROLLOUTS)}")
+    if out["compute_dtype"] not in ("", "fp32", "fp16", "bf16"):
+        raise invalid(f"compute_dtype: {out['compute_dtype']!r} is not fp32, fp16 or bf16")
     if out["profile"]:
         try:  # what `job command` resolves; refused here so a unit never starts with it
-            profile.profile_for_arch(*profile_name(out["profile"]))
+            prof = profile.profile_for_arch(*profile_name(out["profile"]))
+            # What the card cannot do is refused at once when the profile is known
+            # (else when the job starts, against the detected one).
+            profile.with_choices(prof, out["rollout"], out["compute_dtype"])
         except EngineError as exc:
             raise invalid(f"profile: {exc.message}") from None
     for problem in recipe.problems(out):

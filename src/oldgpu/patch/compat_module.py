@@ -1,6 +1,7 @@
 """The compat module oldgpu adds to the tree (``verl/utils/oldgpu_compat.py``): its name,
 its rendering with the profile's values baked in, and the import that patched files need.
-Its source is ``compat.py`` beside this file (and ``compat_cpu.py`` for cpu trees)."""
+Its source is ``compat.py`` beside this file (and ``compat_cpu.py`` for cpu trees,
+``compat_fp16.py`` for fp16 ones)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def render_compat(options: Options) -> bytes:
     if options.device == "cpu":  # the cpu patch set's helpers, for cpu trees only
         cpu = (resources.files("oldgpu.patch") / "compat_cpu.py").read_bytes()
         rendered = rendered.rstrip(b"\n") + b"\n\n\n" + cpu
+    if options.compute_dtype == "fp16":  # the fp16 patch set's loss scaler
+        fp16 = (resources.files("oldgpu.patch") / "compat_fp16.py").read_bytes()
+        rendered = rendered.rstrip(b"\n") + b"\n\n\n" + fp16
     return rendered
 
 

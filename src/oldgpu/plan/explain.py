@@ -12,11 +12,12 @@ from oldgpu.plan.inputs import Choice, Inputs
 from oldgpu.plan.memory import (
     LOGITS_TRAIN_COPIES,
     RESERVE_FACTOR,
+    VLLM_CUDA_GRAPH_MIB,
     PhaseEstimate,
     estimate_phase,
     param_offload_frees,
     per_gpu_batch,
-    vllm_utilization,
+    vllm_settings,
 )
 from oldgpu.plan.model import SHAPES
 from oldgpu.plan.search import (
@@ -69,8 +70,13 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
         out.append(f"actor_rollout_ref.rollout.n={inp.rollout_n}")
     out += recipe_overrides(inp)
     if inp.rollout == "vllm":  # never for the HF rollout: these settings are vLLM's
-        util = vllm_utilization(inp, phases["generate"])
-        out.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={util}")
+        vllm = vllm_settings(inp, choice.train_batch_size, phases["generate"])
+        out += [
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={vllm['gpu_memory_utilization']}",
+            f"actor_rollout_ref.rollout.max_num_seqs={vllm['max_num_seqs']}",
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={vllm['max_num_batched_tokens']}",
+            f"actor_rollout_ref.rollout.enforce_eager={_b(vllm['enforce_eager'])}",
+        ]
     if inp.device == "cuda":
         out.append(f"trainer.n_gpus_per_node={inp.gpus}")
     return out
@@ -251,6 +257,16 @@ def _reasons(found: Plan) -> dict[str, str]:
     if inp.rollout == "vllm":
         r["actor_rollout_ref.rollout.gpu_memory_utilization"] = (
             "vLLM's share of the GPU: its weights, KV cache and workspace in generate"
+        )
+        r["actor_rollout_ref.rollout.max_num_seqs"] = (
+            "the GPU's whole rollout batch (train batch x rollout.n / GPUs) at once"
+        )
+        r["actor_rollout_ref.rollout.max_num_batched_tokens"] = (
+            "at least one whole prompt + response (vLLM refuses less), verl's 8192 otherwise"
+        )
+        r["actor_rollout_ref.rollout.enforce_eager"] = (
+            "CUDA graphs are captured outside vLLM's share: eager unless "
+            f"{VLLM_CUDA_GRAPH_MIB} MiB are free beside the generate phase"
         )
     r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
     r.update(_recipe_reasons(found))

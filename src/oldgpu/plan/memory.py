@@ -141,6 +141,12 @@ DATA_FP32_RESP = 8
 # workspace beside the KV cache, inside gpu_memory_utilization * memory.
 VLLM_WORKSPACE_MIB = 1024
 VLLM_MAX_UTILIZATION = 0.9
+# vLLM's CUDA graphs are captured after its KV cache, outside its share: about this
+# much per GPU for the batch sizes it captures (vLLM logs 0.5-1.5 GiB for small
+# models). Without that much free beside the generate phase, eager mode.
+VLLM_CUDA_GRAPH_MIB = 1536
+# verl's default max_num_batched_tokens; raised to a whole sequence when longer.
+VLLM_BATCHED_TOKENS = 8192
 
 PHASES = (
     "generate",
@@ -405,6 +411,20 @@ def estimate(inp: Inputs, choice: Choice) -> dict[str, PhaseEstimate]:
             continue
         out[phase] = estimate_phase(inp, choice, phase)
     return out
+
+
+def vllm_settings(inp: Inputs, train_batch: int, phase: PhaseEstimate) -> dict[str, Any]:
+    """vLLM's settings for the generate phase: its memory share, the sequences it runs
+    at once (the GPU's whole rollout batch), the tokens a step may schedule (at least
+    one whole prompt + response) and whether CUDA graphs fit beside the phase."""
+    util = vllm_utilization(inp, phase)
+    headroom = inp.memory_mib - phase.reserved - phase.context
+    return {
+        "gpu_memory_utilization": util,
+        "max_num_seqs": per_gpu_batch(inp, train_batch),
+        "max_num_batched_tokens": max(VLLM_BATCHED_TOKENS, inp.seq),
+        "enforce_eager": headroom < VLLM_CUDA_GRAPH_MIB,
+    }
 
 
 def vllm_utilization(inp: Inputs, phase: PhaseEstimate) -> float:

@@ -25,9 +25,12 @@ class Precision:
 
 # fp32: 4 + 4 + 8 = 16 bytes per trained parameter. bf16 mixed precision keeps fp32
 # master weights, gradients and moments (16 bytes) and computes with a bf16 copy
-# (+2 bytes while a role computes); verl loads the ref in bf16.
+# (+2 bytes while a role computes); verl loads the ref in bf16. fp16 (volta, turing)
+# keeps FSDP's weights in fp32 (param_dtype fp32, for the loss scaler's fp32 grads)
+# and autocast computes with fp16 copies (+2 bytes, as bf16's); the ref stays fp32.
 PRECISIONS = {
     "fp32": Precision(master=4, grad=4, adam=8, compute=4, ref=4),
+    "fp16": Precision(master=4, grad=4, adam=8, compute=2, ref=4),
     "bf16": Precision(master=4, grad=4, adam=8, compute=2, ref=2),
 }
 
