@@ -12,7 +12,8 @@
 # Exit 1, with the reason on stderr, when no driver is found.
 # OLDGPU_LIBCUDA_DIR: a directory holding libcuda.so.1 (skips the search).
 # OLDGPU_DRIVER_SEARCH_PATH: the directories searched (colon-separated).
-# OLDGPU_MIN_DRIVER: the oldest driver the pinned CUDA runs on (a warning).
+# OLDGPU_MIN_DRIVER: the oldest driver the pinned CUDA runs on (named when none is found).
+# OLDGPU_PROC_DRIVER_VERSION: the loaded module's version file (default: the kernel's).
 set -euo pipefail
 
 cache=${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/oldgpu/host-driver
@@ -83,11 +84,21 @@ if [[ ! -e $out/libcuda.so.1 ]]; then
   mv -T "$tmp" "$out"
 fi
 
-# An old driver runs CUDA 11.8 only through minor-version compatibility: say so.
-if [[ -n ${OLDGPU_MIN_DRIVER:-} && -r /proc/driver/nvidia/version ]]; then
-  have=$(grep -oE 'Kernel Module +[0-9.]+' /proc/driver/nvidia/version | grep -oE '[0-9.]+$' || true)
-  if [[ -n $have && $(printf '%s\n%s\n' "$OLDGPU_MIN_DRIVER" "$have" | sort -V | head -n 1) != "$OLDGPU_MIN_DRIVER" ]]; then
-    echo "oldgpu-host-driver: driver $have is older than $OLDGPU_MIN_DRIVER, which CUDA 11.8 asks for" >&2
+# How the driver fits the pinned CUDA (only through minor-version compatibility,
+# or not at all) is the engine's answer (`oldgpu driver --json`), not this
+# script's. Only the loaded module is asked (no dpkg, no dkms): entering the
+# shell stays fast.
+proc=${OLDGPU_PROC_DRIVER_VERSION:-/proc/driver/nvidia/version}
+if [[ -r $proc ]] && command -v oldgpu >/dev/null 2>&1; then
+  fit="" message=""
+  cuda_fit='import json, sys; c = json.load(sys.stdin)["cuda"]; print(c["fit"]); print(c["message"])'
+  if doc=$(oldgpu driver --json --proc-version-file "$proc" 2>/dev/null); then
+    { read -r fit && read -r message; } < <(python3 -c "$cuda_fit" <<<"$doc") || fit=""
   fi
+  case $fit in
+    ok | none) ;;
+    "") echo "oldgpu-host-driver: oldgpu driver cannot read $proc; how the driver fits CUDA is unknown" >&2 ;;
+    *) echo "oldgpu-host-driver: $message" >&2 ;;
+  esac
 fi
 echo "$out"

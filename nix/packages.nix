@@ -111,7 +111,8 @@ let
     ];
   };
 
-  # Finds the host driver's libcuda (NixOS or not) for the dev shell.
+  # Finds the host driver's libcuda (NixOS or not) for the dev shell; the
+  # engine judges how the loaded driver fits CUDA (python reads its JSON).
   host-driver = pkgs.writeShellApplication {
     name = "oldgpu-host-driver";
     runtimeInputs = [
@@ -119,6 +120,8 @@ let
       pkgs.findutils
       pkgs.gnugrep
       pkgs.gnused
+      python
+      oldgpu-engine
     ];
     text = ''
       : "''${OLDGPU_MIN_DRIVER:=${checkedPins.cuda.min_driver}}"

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tinywheel import make_wheel  # noqa: E402
 
-from oldgpu import lockcheck  # noqa: E402
+from oldgpu import driver, lockcheck  # noqa: E402
 
 STUB = ROOT / "tests" / "nix" / "stub-nixpkgs"
 SYSTEM = "x86_64-linux"
@@ -531,6 +531,46 @@ def test_host_driver_missing_says_so(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "no NVIDIA driver library (libcuda.so.1) found" in proc.stderr
     assert "OLDGPU_LIBCUDA_DIR" in proc.stderr and "520.61.05" in proc.stderr
+
+
+def _host_driver_fit(tmp_path: Path, proc_version: str) -> subprocess.CompletedProcess[str]:
+    drv = tmp_path / "drv"
+    drv.mkdir(exist_ok=True)
+    (drv / "libcuda.so.1").write_text("")
+    proc = tmp_path / "version"
+    proc.write_text(proc_version)
+    env = dict(
+        os.environ,
+        PATH=f"{_fake_tools(tmp_path)}:{os.environ['PATH']}",
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        OLDGPU_LIBCUDA_DIR=str(drv),
+        OLDGPU_PROC_DRIVER_VERSION=str(proc),
+    )
+    return subprocess.run(
+        [str(ROOT / "nix" / "host-driver.sh")], capture_output=True, text=True, env=env, check=True
+    )
+
+
+def test_host_driver_says_what_the_engine_says_of_an_old_driver(tmp_path: Path) -> None:
+    proc = _host_driver_fit(
+        tmp_path, "NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 2024\n"
+    )
+    message = driver.cuda_fit("470.256.02", source="loaded module")["message"]
+    assert "minor-version compatibility" in message
+    assert proc.stderr == f"oldgpu-host-driver: {message}\n"
+    assert Path(proc.stdout.strip(), "libcuda.so.1").exists()
+
+
+def test_host_driver_is_quiet_about_a_driver_that_fits(tmp_path: Path) -> None:
+    proc = _host_driver_fit(
+        tmp_path, "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.216.01  Wed Oct 2 2024\n"
+    )
+    assert proc.stderr == ""
+
+
+def test_host_driver_says_when_the_engine_cannot_judge(tmp_path: Path) -> None:
+    proc = _host_driver_fit(tmp_path, "not the driver's version line\n")
+    assert "how the driver fits CUDA is unknown" in proc.stderr
 
 
 def _hook(tmp_path: Path, locks: Path, **extra: str) -> subprocess.CompletedProcess[str]:
