@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_run import run_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -107,16 +108,8 @@ def run_variant(variant: str, repeat: int) -> dict[str, list[float]]:
         )
     if variant == "ops-ended":
         env["OVERHEAD_END_OPS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", str(repeat)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode:
-        raise SystemExit(f"{variant}: rc {proc.returncode}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_checked([sys.executable, __file__, "--worker", str(repeat)], env, variant)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:

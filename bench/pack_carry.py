@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_run import run_checked
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "files" / "requirements" / "pypi.lock"
 SDIST_CACHE = Path(os.environ.get("OLDGPU_CACHE", "/var/cache/oldgpu")) / "sdists"
@@ -302,15 +304,8 @@ def patched_verl(work: Path, version: str) -> Path:
             tar.extractall(work)
     tree = work / f"verl-{version}"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "oldgpu", "patch", str(tree), "--profile", "pascal", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode:
-        raise SystemExit(f"oldgpu patch failed:\n{proc.stdout}\n{proc.stderr}")
+    argv = [sys.executable, "-m", "oldgpu", "patch", str(tree), "--profile", "pascal", "--json"]
+    patched = run_checked(argv, env, "oldgpu patch")
     out = work / "verl-tree"
     out.mkdir()
     shutil.copytree(tree / "verl", out / "verl")
@@ -319,7 +314,7 @@ def patched_verl(work: Path, version: str) -> Path:
     for name in (".oldgpu-patch.json", "PKG-INFO", "LICENSE"):
         if (tree / name).exists():
             shutil.copy2(tree / name, out / name)
-    doc = json.loads(proc.stdout)
+    doc = json.loads(patched)
     log(
         f"verl {doc['verl_version']} patched ({doc['options']['compute_dtype']}, "
         f"{doc['options']['attn_implementation']}): "

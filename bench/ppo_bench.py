@@ -69,6 +69,7 @@ for _path in (ROOT / "src", ROOT / "bench"):
 
 import bench_report as report  # noqa: E402
 from bench_assets import KINDS, build_assets  # noqa: E402
+from bench_run import run_checked  # noqa: E402
 
 from oldgpu import guard, jobs  # noqa: E402
 
@@ -230,16 +231,7 @@ def missing_fields(setting: Setting) -> list[str]:
 def engine(*args: str, env: dict[str, str] | None = None) -> str:
     """``oldgpu ARGS`` as verl-train calls it ($OLDGPU_BIN; else this python's engine)."""
     cmd = [os.environ["OLDGPU_BIN"]] if os.environ.get("OLDGPU_BIN") else [PYTHON, "-m", "oldgpu"]
-    proc = subprocess.run(
-        [*cmd, *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode:
-        raise SystemExit(f"oldgpu {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc.stdout
+    return run_checked([*cmd, *args], {**os.environ, **(env or {})}, f"oldgpu {' '.join(args)}")
 
 
 def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -> dict[str, Any]:

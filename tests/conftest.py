@@ -1,10 +1,13 @@
 """Shared fixtures and helpers: the real verl sdist (downloaded once, unpacked fresh per
-test), the CLI with only the commands under test, a Python run inside a verl tree, and
-the model config the planner reads."""
+test), the CLI with only the commands under test, a Python run inside a verl tree, the
+model config the planner reads, the planner's inputs for a P40, verl's own config with
+overrides applied, a job's files and settings, and the patcher's CLI and sites."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -17,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from oldgpu import cli, pins
+from oldgpu import cli, pins, plan
 
 QWEN05B_CONFIG = {  # Qwen2.5-0.5B's public config.json, the fields the planner reads
     "model_type": "qwen2",
@@ -130,3 +133,82 @@ def run_in_tree(tree: Path, script: str) -> subprocess.CompletedProcess:
         check=False,
         timeout=300,
     )
+
+
+# -- the planner -------------------------------------------------------------------------
+
+
+def plan_inputs(**kw: Any) -> plan.Inputs:
+    """The planner's inputs for Qwen2.5-0.5B on one P40 (24 GiB), with ``kw`` changed."""
+    base: dict[str, Any] = {
+        "memory_mib": 24576,
+        "gpus": 1,
+        "shape": plan.SHAPES["qwen2.5-0.5b"],
+        "prompt_length": 256,
+        "response_length": 256,
+        "model_name": "qwen2.5-0.5b",
+        "profile_name": "pascal-6.1",
+    }
+    base.update(kw)
+    return plan.Inputs(**base)
+
+
+def verl_config(verl_tree: Path, overrides: list[str]) -> Any:
+    """verl's ``ppo_trainer`` config in ``verl_tree`` with ``overrides`` applied by Hydra,
+    as verl's main_ppo composes it (skips without Hydra)."""
+    hydra = pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+
+    config_dir = verl_tree / "verl" / "trainer" / "config"
+    hydra.core.global_hydra.GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+# -- jobs --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path) -> Path:
+    """A job's inputs: a model directory with Qwen2.5-0.5B's config, train and test parquet."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN05B_CONFIG))
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"PAR1")
+    return tmp_path
+
+
+def job_spec(job_dir: Path, **extra: Any) -> dict[str, Any]:
+    """A job's settings (inventory-style) over the files of ``job_dir``, with ``extra``."""
+    return {
+        "name": "gsm8k",
+        "model_path": str(job_dir / "model"),
+        "train_files": str(job_dir / "train.parquet"),
+        "val_files": str(job_dir / "test.parquet"),
+        "total_steps": 100,
+        **extra,
+    }
+
+
+# -- the patcher -------------------------------------------------------------------------
+
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="needs the engine test venv (torch)"
+)
+
+
+def patch_cli(capsys, *argv: str) -> tuple[int, dict]:
+    """``oldgpu patch ARGV --json``: the exit code and the JSON."""
+    code = cli.main(["patch", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def function_def(tree: Path, rel: str, qualname: str) -> ast.FunctionDef:
+    """The function (or class) ``qualname`` of ``tree/rel``, found by its dotted name."""
+    node: ast.AST = ast.parse((tree / rel).read_bytes())
+    for part in qualname.split("."):
+        (node,) = [
+            n for n in node.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part
+        ]
+    return node

@@ -32,6 +32,7 @@ def pb():
         sys.modules.pop("ppo_bench", None)
         sys.modules.pop("bench_report", None)
         sys.modules.pop("bench_assets", None)
+        sys.modules.pop("bench_run", None)
 
 
 def test_parse_verl_console_line(pb) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cli_runner
 
 from oldgpu import cli, detect, doctor, driver
 from oldgpu.doctor import checks as doctor_checks
@@ -677,14 +678,7 @@ def test_real_hand_modified_verl_tree_names_the_file(verl_tree: Path, monkeypatc
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """``oldgpu.cli.main`` with only the doctor (other commands may be half-built)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("oldgpu.doctor",))
-
-    def _run(*argv: str) -> tuple[int, Any, str]:
-        code = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return code, json.loads(out) if "--json" in argv else out, err
-
-    return _run
+    return cli_runner(monkeypatch, capsys, ("oldgpu.doctor",))
 
 
 NOGPU = (

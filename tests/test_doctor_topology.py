@@ -1,9 +1,10 @@
-"""``oldgpu doctor`` on a multi-GPU host: its ``gpu_topology`` check (recorded topologies)."""
+"""``oldgpu doctor`` on a multi-GPU host: its ``gpu-topology`` check (recorded topologies)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from test_doctor import healthy_p40
@@ -34,6 +35,13 @@ def test_acs_box_warns_with_the_cause_and_the_fix():
     assert topo["details"]["nccl_env"]["NCCL_P2P_DISABLE"] == "1"
     # A warning: the engine's NCCL_P2P_DISABLE keeps jobs working, so the host is ready.
     assert rep["ok"] is True and rep["summary"] == "10 ok, 1 warn, 0 fail"
+
+
+def test_check_ids_share_one_style():
+    """kebab-case, as the engine's error names: a reader matching on an id guesses it right."""
+    ids = [*doctor_checks.CHECK_IDS, *doctor_checks.OPTIONAL_CHECK_IDS]
+    assert [i for i in ids if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", i)] == []
+    assert "gpu-topology" in doctor_checks.OPTIONAL_CHECK_IDS
 
 
 def test_healthy_switch_box_is_ok():

@@ -7,13 +7,13 @@ proprietary and open modules, /proc/modules, and dpkg-query's lines.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cli_runner
 
-from oldgpu import cli, driver, pins
+from oldgpu import driver, pins
 
 DATA = Path(__file__).parent / "data" / "driver"
 MIN_DRIVER = pins.get("cuda.min_driver")
@@ -22,14 +22,7 @@ MIN_DRIVER = pins.get("cuda.min_driver")
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """``oldgpu.cli.main`` with only the driver command."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("oldgpu.driver",))
-
-    def _run(*argv: str) -> tuple[int, Any, str]:
-        code = cli.main(["driver", *argv])
-        out, err = capsys.readouterr()
-        return code, json.loads(out) if "--json" in argv else out, err
-
-    return _run
+    return cli_runner(monkeypatch, capsys, ("oldgpu.driver",), "driver")
 
 
 def lib_modules(tmp_path: Path, *kernels: str, without_headers: tuple[str, ...] = ()) -> str:
@@ -52,6 +45,20 @@ def recorded(run_cli, *args: str, **files: str) -> dict[str, Any]:
     return out
 
 
+def recorded_debian12(
+    run_cli, tmp_path: Path, dkms_status: str, *kernels: str, **more: Any
+) -> dict[str, Any]:
+    """A Debian 12 host with the 535 packages: ``dkms status`` from ``dkms_status``, headers
+    for ``kernels`` (``without_headers``: kernels without), ``more`` recorded files."""
+    without = more.pop("without_headers", ())
+    return recorded(
+        run_cli,
+        "--lib-modules-dir",
+        lib_modules(tmp_path, *kernels, without_headers=without),
+        **{"dkms-status-file": dkms_status, "dpkg-file": "dpkg.debian12-535.txt", **more},
+    )
+
+
 # -- DKMS per kernel ---------------------------------------------------------------------
 
 
@@ -59,15 +66,7 @@ def test_the_molecule_nvidia_host(run_cli, tmp_path):
     # What molecule/nvidia's Debian 12 container said (its dkms status line, printed by
     # test_nvidia.py): the module is built for the one kernel with headers, so the role
     # builds nothing, and the reboot that would load it is pending (nothing is loaded).
-    r = recorded(
-        run_cli,
-        "--lib-modules-dir",
-        lib_modules(tmp_path, "6.1.0-57-amd64"),
-        **{
-            "dkms-status-file": "dkms-status.debian12-molecule.txt",
-            "dpkg-file": "dpkg.debian12-535.txt",
-        },
-    )
+    r = recorded_debian12(run_cli, tmp_path, "dkms-status.debian12-molecule.txt", "6.1.0-57-amd64")
     assert r["dkms"]["built_for"] == ["6.1.0-57-amd64"] and r["dkms"]["missing"] == []
     assert (r["installed"]["version"], r["loaded"]["version"]) == ("535.309.01", None)
     assert r["reboot"]["driver"] is True
@@ -79,15 +78,13 @@ def test_the_molecule_nvidia_host(run_cli, tmp_path):
 
 def test_three_kernels_one_installed_one_only_built_one_failed(run_cli, tmp_path):
     kernels = ("6.1.0-57-amd64", "6.1.0-58-amd64", "6.1.0-59-amd64")
-    r = recorded(
+    r = recorded_debian12(
         run_cli,
-        "--lib-modules-dir",
-        lib_modules(tmp_path, *kernels, without_headers=("6.1.0-56-amd64",)),
-        **{
-            "dkms-status-file": "dkms-status.debian12-three-kernels.txt",
-            "dpkg-file": "dpkg.debian12-535.txt",
-            "modules-file": "modules.none.txt",
-        },
+        tmp_path,
+        "dkms-status.debian12-three-kernels.txt",
+        *kernels,
+        without_headers=("6.1.0-56-amd64",),
+        **{"modules-file": "modules.none.txt"},
     )
     inst = r["installed"]
     assert (inst["module_package"], inst["version"], inst["branch"], inst["flavour"]) == (
@@ -116,14 +113,8 @@ def test_three_kernels_one_installed_one_only_built_one_failed(run_cli, tmp_path
 
 
 def test_a_build_that_failed_for_every_kernel(run_cli, tmp_path):
-    r = recorded(
-        run_cli,
-        "--lib-modules-dir",
-        lib_modules(tmp_path, "6.1.0-57-amd64"),
-        **{
-            "dkms-status-file": "dkms-status.debian12-build-failed.txt",
-            "dpkg-file": "dpkg.debian12-535.txt",
-        },
+    r = recorded_debian12(
+        run_cli, tmp_path, "dkms-status.debian12-build-failed.txt", "6.1.0-57-amd64"
     )
     assert r["dkms"]["unbuilt"] == [
         {"module": "nvidia-current", "version": "535.309.01", "state": "added"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import QWEN05B_CONFIG
+from conftest import QWEN05B_CONFIG, job_spec
 
 from oldgpu import cli, jobs
 
@@ -36,15 +36,9 @@ ERROR_CODES = {1, 2, 4}  # EngineError's default, jobs' CONFIG_INVALID, venv's B
 
 
 def _job_spec(root: Path) -> dict:
-    return {
-        "name": "fuzz",
-        "model_path": str(root / "model"),
-        "train_files": str(root / "train.parquet"),
-        "val_files": str(root / "test.parquet"),
-        "total_steps": 3,
-        "profile": "pascal",
-        "overrides": ["trainer.test_freq=5"],
-    }
+    return job_spec(
+        root, name="fuzz", total_steps=3, profile="pascal", overrides=["trainer.test_freq=5"]
+    )
 
 
 # -- the mutations -------------------------------------------------------------------

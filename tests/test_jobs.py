@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import QWEN05B_CONFIG
+from conftest import QWEN05B_CONFIG, verl_config
+from conftest import job_spec as spec
 
 from oldgpu import detect, jobs, profile
 from oldgpu.output import EngineError
@@ -25,27 +26,6 @@ GPUS = {  # recorded nvidia-smi and lspci output
     "p40": ("p40.nvidia-smi.csv", "p40.lspci.txt"),
     "v100": ("v100.nvidia-smi.csv", "v100.lspci.txt"),
 }
-
-
-@pytest.fixture
-def job_dir(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN05B))
-    for name in ("train.parquet", "test.parquet"):
-        (tmp_path / name).write_bytes(b"PAR1")
-    return tmp_path
-
-
-def spec(job_dir: Path, **extra) -> dict:
-    return {
-        "name": "gsm8k",
-        "model_path": str(job_dir / "model"),
-        "train_files": str(job_dir / "train.parquet"),
-        "val_files": str(job_dir / "test.parquet"),
-        "total_steps": 100,
-        **extra,
-    }
 
 
 # --- settings and the env file ------------------------------------------------
@@ -398,9 +378,7 @@ def test_lora_on_vllm_loads_safetensors_layered(job_dir):
 def test_recipe_composes_with_verls_own_config(job_dir, verl_pristine, arch):
     """Hydra applies the whole argv of a GRPO + LoRA job to verl 0.5.0's ppo_trainer
     config: no key is missing and each value lands (verl decides no critic from it)."""
-    hydra = pytest.importorskip("hydra")
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    OmegaConf = pytest.importorskip("omegaconf").OmegaConf
 
     job = jobs.job_from_mapping(
         spec(job_dir, profile=arch, algorithm="grpo", rollout_n=4, lora_rank=8,
@@ -408,10 +386,7 @@ def test_recipe_composes_with_verls_own_config(job_dir, verl_pristine, arch):
     )  # fmt: skip
     doc = jobs.compose(job, jobs.resolve_profile(job, []), 24576, QWEN05B, environ={})
     overrides = doc["argv"][2:]
-    config_dir = verl_pristine / "verl" / "trainer" / "config"
-    hydra.core.global_hydra.GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    cfg = verl_config(verl_pristine, overrides)
     for override in overrides:
         key, value = jobs.override_key(override), override.split("=", 1)[1]
         got = OmegaConf.select(cfg, key)

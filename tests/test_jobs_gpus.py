@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import QWEN05B_CONFIG
+from conftest import QWEN05B_CONFIG, job_spec
 
 from oldgpu import cli, jobs, profile
 from oldgpu.output import EngineError
@@ -31,27 +31,9 @@ CUDA_KEYS = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
 NCCL_KEYS = {"NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"}
 
 
-@pytest.fixture
-def job_dir(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN05B_CONFIG))
-    for name in ("train.parquet", "test.parquet"):
-        (tmp_path / name).write_bytes(b"PAR1")
-    return tmp_path
-
-
 def env_file(job_dir: Path, **extra) -> Path:
-    values = {
-        "name": "gsm8k",
-        "model_path": str(job_dir / "model"),
-        "train_files": str(job_dir / "train.parquet"),
-        "val_files": str(job_dir / "test.parquet"),
-        "total_steps": 100,
-        **extra,
-    }
     path = job_dir / "gsm8k.env"
-    path.write_text(jobs.render_env(jobs.job_from_mapping(values)))
+    path.write_text(jobs.render_env(jobs.job_from_mapping(job_spec(job_dir, **extra))))
     return path
 
 

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import run_in_tree, tree_hashes, tree_state
+from conftest import needs_torch, patch_cli, run_in_tree, tree_hashes, tree_state
 
 from oldgpu import cli
 from oldgpu import patch as patcher
@@ -36,14 +36,6 @@ PATCHED_MODULES = (
     "verl.workers.engine.fsdp.engine_impl",
     "verl.utils.model",
 )
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs the engine test venv (torch)")
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, dict]:
-    code = cli.main(["patch", *argv, "--json"])
-    out = capsys.readouterr().out
-    return code, json.loads(out)
 
 
 def names_bf16(node: ast.AST) -> bool:
@@ -78,7 +70,7 @@ def bad_sites(path: Path) -> list[str]:
 def test_patched_sites_follow_the_profile(verl_tree: Path, capsys) -> None:
     before = [s for rel in PPO_FILES for s in bad_sites(verl_tree / rel)]
     assert len(before) >= 11, before  # the test would bite: pristine 0.5.0 has them
-    code, out = run_cli(capsys, str(verl_tree))
+    code, out = patch_cli(capsys, str(verl_tree))
     assert code == 0 and out["changed"] is True
     for rel in PPO_FILES:
         path = verl_tree / rel
@@ -96,7 +88,7 @@ def test_patched_sites_follow_the_profile(verl_tree: Path, capsys) -> None:
 
 
 def test_json_report_shape(verl_tree: Path, capsys) -> None:
-    code, out = run_cli(capsys, str(verl_tree), "--check")
+    code, out = patch_cli(capsys, str(verl_tree), "--check")
     assert code == 1 and out["changed"] is True and out["dry_run"] is True
     assert {f["path"] for f in out["files"]} == {*PPO_FILES, patcher.COMPAT_REL}
     assert all(f["status"] in ("patch", "add") for f in out["files"])
@@ -123,7 +115,7 @@ def test_json_report_shape(verl_tree: Path, capsys) -> None:
 
 
 def test_manifest_and_originals(verl_tree: Path, verl_pristine: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree), "--compute-dtype", "fp16", "--attn-implementation", "eager")
+    patch_cli(capsys, str(verl_tree), "--compute-dtype", "fp16", "--attn-implementation", "eager")
     manifest = json.loads((verl_tree / patcher.MANIFEST_NAME).read_text())
     assert manifest["schema"] == 1 and manifest["verl_version"] == "0.5.0"
     assert manifest["engine"]["name"] == "oldgpu"
@@ -167,7 +159,7 @@ def _import_script(force_cuda: bool) -> str:
 def test_patched_package_imports_without_flash_attn(verl_tree: Path, capsys) -> None:
     pristine = run_in_tree(verl_tree, _import_script(force_cuda=True))
     assert pristine.returncode != 0 and "flash_attn" in pristine.stderr  # the test bites
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     plain = run_in_tree(verl_tree, "import verl.workers.fsdp_workers\n" + _import_script(False))
     assert plain.returncode == 0, plain.stderr[-3000:]
     forced = run_in_tree(verl_tree, _import_script(force_cuda=True))
@@ -179,7 +171,7 @@ def test_patched_package_imports_without_flash_attn(verl_tree: Path, capsys) -> 
 def test_compat_values_and_env_override(verl_tree: Path, capsys, monkeypatch) -> None:
     import torch
 
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     spec = importlib.util.spec_from_file_location("oldgpu_compat_t", verl_tree / patcher.COMPAT_REL)
     compat = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compat)
@@ -208,20 +200,20 @@ def test_compat_values_and_env_override(verl_tree: Path, capsys, monkeypatch) ->
 
 
 def test_revert_is_byte_identical(verl_tree: Path, verl_pristine: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     assert tree_hashes(verl_tree) != tree_hashes(verl_pristine)
-    code, out = run_cli(capsys, str(verl_tree), "--revert")
+    code, out = patch_cli(capsys, str(verl_tree), "--revert")
     assert code == 0 and out["changed"] is True
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)  # same files, same bytes
     assert not (verl_tree / patcher.ORIGINALS_DIR).exists()
-    code, out = run_cli(capsys, str(verl_tree), "--revert")
+    code, out = patch_cli(capsys, str(verl_tree), "--revert")
     assert code == 0 and out["changed"] is False
 
 
 def test_second_patch_changes_nothing(verl_tree: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     state = tree_state(verl_tree)
-    code, out = run_cli(capsys, str(verl_tree))
+    code, out = patch_cli(capsys, str(verl_tree))
     assert code == 0 and out["changed"] is False
     assert {f["status"] for f in out["files"]} == {"unchanged"}
     assert tree_state(verl_tree) == state  # not even rewritten
@@ -229,14 +221,14 @@ def test_second_patch_changes_nothing(verl_tree: Path, capsys) -> None:
 
 def test_check(verl_tree: Path, capsys) -> None:
     state = tree_state(verl_tree)
-    code, out = run_cli(capsys, str(verl_tree), "--check")
+    code, out = patch_cli(capsys, str(verl_tree), "--check")
     assert code == 1 and out["changed"] is True
     assert tree_state(verl_tree) == state
-    run_cli(capsys, str(verl_tree))
-    code, out = run_cli(capsys, str(verl_tree), "--check")
+    patch_cli(capsys, str(verl_tree))
+    code, out = patch_cli(capsys, str(verl_tree), "--check")
     assert code == 0 and out["changed"] is False
     # Other options than the tree was patched with: changes needed.
-    code, _ = run_cli(capsys, str(verl_tree), "--check", "--attn-implementation", "eager")
+    code, _ = patch_cli(capsys, str(verl_tree), "--check", "--attn-implementation", "eager")
     assert code == 1
 
 
@@ -257,15 +249,15 @@ def test_diff_changes_nothing(verl_tree: Path, capsys) -> None:
 def test_switching_options_is_revert_then_apply(
     verl_tree: Path, verl_pristine: Path, capsys
 ) -> None:
-    run_cli(capsys, str(verl_tree))
-    code, out = run_cli(capsys, str(verl_tree), "--attn-implementation", "eager")
+    patch_cli(capsys, str(verl_tree))
+    code, out = patch_cli(capsys, str(verl_tree), "--attn-implementation", "eager")
     assert code == 0 and out["changed"] is True
     changed = {f["path"] for f in out["files"] if f["status"] != "unchanged"}
     assert changed == {patcher.COMPAT_REL}  # the sites call into the module; only it differs
     assert 'BAKED_ATTN_IMPLEMENTATION = "eager"' in (verl_tree / patcher.COMPAT_REL).read_text()
     manifest = json.loads((verl_tree / patcher.MANIFEST_NAME).read_text())
     assert manifest["options"]["attn_implementation"] == "eager"
-    run_cli(capsys, str(verl_tree), "--revert")
+    patch_cli(capsys, str(verl_tree), "--revert")
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)
 
 
@@ -281,7 +273,7 @@ def _refused(capsys, tree: Path, name: str, *argv: str) -> dict:
 
 
 def test_tampered_tree_is_refused(verl_tree: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     actor = verl_tree / "verl/workers/actor/dp_actor.py"
     actor.write_bytes(actor.read_bytes() + b"# a hand edit\n")
     err = _refused(capsys, verl_tree, "tree-modified")
@@ -338,7 +330,7 @@ def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Pat
 
 
 def test_version_changed_after_patching_is_refused(verl_tree: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     (verl_tree / "verl/version/version").write_text("0.4.9\n")
     _refused(capsys, verl_tree, "tree-modified")
 
@@ -383,7 +375,7 @@ def test_site_not_found_changed_shape(verl_tree: Path, capsys) -> None:
 
 
 def test_patched_tree_without_manifest_is_refused(verl_tree: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     (verl_tree / patcher.MANIFEST_NAME).unlink()
     _refused(capsys, verl_tree, "tree-patched-without-manifest")
 
@@ -437,7 +429,7 @@ def _calls(node: ast.AST, name: str) -> list[ast.Call]:
 
 def test_hf_rollout_loads_actor_before_and_offloads_after(verl_tree: Path, capsys) -> None:
     assert _calls(_generate_sequences(verl_tree), "load_fsdp_model_to_gpu") == []  # upstream gap
-    run_cli(capsys, str(verl_tree))
+    patch_cli(capsys, str(verl_tree))
     fn = _generate_sequences(verl_tree)
     (generate,) = _calls(fn, "generate_sequences")
     (load,) = _calls(fn, "load_fsdp_model_to_gpu")
@@ -464,7 +456,7 @@ def test_not_a_verl_tree(tmp_path: Path, capsys) -> None:
 
 
 def test_profile_gives_the_options(verl_tree: Path, capsys) -> None:
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "pascal-6.1", "--check")
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", "pascal-6.1", "--check")
     assert code == 1
     assert out["options"] == {
         "compute_dtype": "fp32",
@@ -473,7 +465,7 @@ def test_profile_gives_the_options(verl_tree: Path, capsys) -> None:
         "device": "cuda",
     }
     argv = ("--profile", "ampere", "--attn-implementation", "sdpa")
-    code, out = run_cli(capsys, str(verl_tree), *argv)
+    code, out = patch_cli(capsys, str(verl_tree), *argv)
     assert code == 0
     assert (out["options"]["compute_dtype"], out["options"]["attn_implementation"]) == (
         "bf16",

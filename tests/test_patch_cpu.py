@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from conftest import run_in_tree, tree_hashes, tree_state
+from conftest import function_def, needs_torch, patch_cli, run_in_tree, tree_hashes, tree_state
 
 from oldgpu import cli
 from oldgpu import patch as patcher
@@ -34,23 +33,6 @@ CPU_SITES = {
     "cpu-ray-resources": 1,
 }
 CPU_HELPERS = ("torch_device_module", "cpu_dist_backend", "all_reduce_avg", "ray_num_gpus")
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="needs the engine test venv (torch)"
-)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, dict]:
-    code = cli.main(["patch", *argv, "--json"])
-    return code, json.loads(capsys.readouterr().out)
-
-
-def function(tree: Path, rel: str, qualname: str) -> ast.FunctionDef:
-    node: ast.AST = ast.parse((tree / rel).read_bytes())
-    for part in qualname.split("."):
-        (node,) = [
-            n for n in node.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part
-        ]
-    return node
 
 
 def source(node: ast.AST) -> str:
@@ -71,7 +53,7 @@ def test_registered_for_cpu_only() -> None:
 def test_gpu_profiles_leave_cpu_sites_alone(
     verl_tree: Path, verl_pristine: Path, capsys, profile: str
 ) -> None:
-    code, out = run_cli(capsys, str(verl_tree), "--profile", profile)
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", profile)
     assert code == 0 and out["options"]["device"] == "cuda"
     assert not {p["name"] for p in out["patches"]} & set(CPU_SITES)
     pristine, now = tree_hashes(verl_pristine), tree_hashes(verl_tree)
@@ -84,7 +66,7 @@ def test_gpu_profiles_leave_cpu_sites_alone(
 
 
 def test_cpu_sites_are_rewritten(verl_tree: Path, verl_pristine: Path, capsys) -> None:
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "cpu")
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert code == 0 and out["options"]["device"] == "cpu"
     sites = {p["name"]: p["sites"] for p in out["patches"]}
     assert {name: len(sites.get(name, [])) for name in CPU_SITES} == CPU_SITES
@@ -92,14 +74,14 @@ def test_cpu_sites_are_rewritten(verl_tree: Path, verl_pristine: Path, capsys) -
     changed = {f["path"] for f in out["files"] if f["status"] != "unchanged"}
     assert set(CPU_ONLY_FILES) <= changed
 
-    fn = function(verl_tree, DEVICE, "get_nccl_backend")
+    fn = function_def(verl_tree, DEVICE, "get_nccl_backend")
     assert not [n for n in ast.walk(fn) if isinstance(n, ast.Raise)]
     assert "return oldgpu_compat.cpu_dist_backend()" in source(fn)
-    fn = function(verl_tree, DEVICE, "get_torch_device")
+    fn = function_def(verl_tree, DEVICE, "get_torch_device")
     assert "oldgpu_compat.torch_device_module(device_name)" in source(fn)
     assert "getattr(torch, device_name)" not in source(fn)
 
-    fn = function(verl_tree, FSDP_WORKERS, "ActorRolloutRefWorker.__init__")
+    fn = function_def(verl_tree, FSDP_WORKERS, "ActorRolloutRefWorker.__init__")
     assert "backend=oldgpu_compat.cpu_dist_backend()" in source(fn)
     assert "cpu:gloo" not in source(fn)
     for rel, scope in (
@@ -108,25 +90,27 @@ def test_cpu_sites_are_rewritten(verl_tree: Path, verl_pristine: Path, capsys) -
         (FSDP_WORKERS, "RewardModelWorker._build_model"),
         (ENGINE_IMPL, "FSDPEngine._build_model_optimizer"),
     ):
-        text = source(function(verl_tree, rel, scope))
+        text = source(function_def(verl_tree, rel, scope))
         assert "sync_module_states=True" not in text, scope
         assert "sync_module_states=oldgpu_compat.sync_module_states()" in text, scope
     # Without that broadcast, ranks != 0 must not start from meta tensors.
-    text = source(function(verl_tree, FSDP_UTILS, "get_init_weight_context_manager"))
+    text = source(function_def(verl_tree, FSDP_UTILS, "get_init_weight_context_manager"))
     assert "if use_meta_tensor and oldgpu_compat.sync_module_states():" in text
     # The ref model (role != "actor") and the reward model: no CPUOffload.
-    text = source(function(verl_tree, FSDP_WORKERS, "ActorRolloutRefWorker._build_model_optimizer"))
+    text = source(
+        function_def(verl_tree, FSDP_WORKERS, "ActorRolloutRefWorker._build_model_optimizer")
+    )
     assert "cpu_offload = None if role == 'actor' else oldgpu_compat.fsdp_param_offload()" in text
-    text = source(function(verl_tree, FSDP_WORKERS, "RewardModelWorker._build_model"))
+    text = source(function_def(verl_tree, FSDP_WORKERS, "RewardModelWorker._build_model"))
     assert "cpu_offload=oldgpu_compat.fsdp_param_offload()" in text
     assert "CPUOffload(offload_params=True)" not in text
 
-    text = source(function(verl_tree, PERFORMANCE, "reduce_timing"))
+    text = source(function_def(verl_tree, PERFORMANCE, "reduce_timing"))
     assert "ReduceOp.AVG" not in text and "oldgpu_compat.all_reduce_avg(timing_list)" in text
 
     (init,) = [
         n
-        for n in ast.walk(function(verl_tree, MAIN_PPO, "run_ppo"))
+        for n in ast.walk(function_def(verl_tree, MAIN_PPO, "run_ppo"))
         if isinstance(n, ast.Call) and source(n.func) == "ray.init"
     ]
     kws = {kw.arg: source(kw.value) for kw in init.keywords}
@@ -151,24 +135,24 @@ def test_cpu_sites_are_rewritten(verl_tree: Path, verl_pristine: Path, capsys) -
 
 
 def test_check_revert_round_trip(verl_tree: Path, verl_pristine: Path, capsys) -> None:
-    code, _ = run_cli(capsys, str(verl_tree), "--profile", "cpu", "--check")
+    code, _ = patch_cli(capsys, str(verl_tree), "--profile", "cpu", "--check")
     assert code == 1
-    run_cli(capsys, str(verl_tree), "--profile", "cpu")
+    patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     state = tree_state(verl_tree)
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "cpu", "--check")
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", "cpu", "--check")
     assert code == 0 and out["changed"] is False
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "cpu")
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert out["changed"] is False and tree_state(verl_tree) == state  # not even rewritten
     # cpu -> pascal is revert-then-apply: the cpu-only files come back byte for byte.
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "pascal")
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", "pascal")
     assert code == 0 and out["changed"] is True
     pristine, now = tree_hashes(verl_pristine), tree_hashes(verl_tree)
     for rel in CPU_ONLY_FILES:
         assert now[rel] == pristine[rel]
         assert not (verl_tree / patcher.ORIGINALS_DIR / rel).exists()
     assert "torch_device_module" not in (verl_tree / patcher.COMPAT_REL).read_text()
-    run_cli(capsys, str(verl_tree), "--profile", "cpu")
-    code, out = run_cli(capsys, str(verl_tree), "--revert")
+    patch_cli(capsys, str(verl_tree), "--profile", "cpu")
+    code, out = patch_cli(capsys, str(verl_tree), "--revert")
     assert code == 0 and out["changed"] is True
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)
 
@@ -186,7 +170,7 @@ def test_cpu_site_not_found_changes_nothing(verl_tree: Path, capsys) -> None:
     assert err["message"].startswith(f"patch cpu-timing-all-reduce: {PERFORMANCE}: reduce_timing")
     assert tree_state(verl_tree) == state  # all or nothing: no other file was patched
     # The cuda profile does not look there, so it still patches.
-    code, _ = run_cli(capsys, str(verl_tree), "--profile", "pascal")
+    code, _ = patch_cli(capsys, str(verl_tree), "--profile", "pascal")
     assert code == 0
 
 
@@ -253,7 +237,7 @@ print("ok")
 def test_patched_tree_runs_on_cpu(verl_tree: Path, tmp_path: Path, capsys) -> None:
     pristine = run_in_tree(verl_tree, "from verl.utils import device; device.get_nccl_backend()")
     assert pristine.returncode != 0 and "No available nccl backend" in pristine.stderr  # bites
-    run_cli(capsys, str(verl_tree), "--profile", "cpu")
+    patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     proc = run_in_tree(verl_tree, RUNTIME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "pg"))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

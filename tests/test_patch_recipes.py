@@ -8,42 +8,21 @@ that keeps LoRA's trainable adapters apart from the frozen base weights.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import tree_hashes
+from conftest import function_def, needs_torch, patch_cli, tree_hashes
 
 import oldgpu.patch.registry as patch_registry
-from oldgpu import cli
 
 pytestmark = pytest.mark.slow
 
 HF_ROLLOUT = "verl/workers/rollout/hf_rollout.py"
 FSDP_WORKERS = "verl/workers/fsdp_workers.py"
 NEW = {"hf-rollout-one-sequence": HF_ROLLOUT, "hf-rollout-lora-wrap": FSDP_WORKERS}
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="needs the engine test venv (torch)"
-)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, dict]:
-    import json
-
-    code = cli.main(["patch", *argv, "--json"])
-    return code, json.loads(capsys.readouterr().out)
-
-
-def function(tree: Path, rel: str, qualname: str) -> ast.FunctionDef:
-    node: ast.AST = ast.parse((tree / rel).read_bytes())
-    for part in qualname.split("."):
-        (node,) = [
-            n for n in node.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part
-        ]
-    return node
 
 
 def without_new(monkeypatch, *names: str) -> None:
@@ -55,7 +34,7 @@ def without_new(monkeypatch, *names: str) -> None:
 
 def return_sequences(tree: Path) -> list[str]:
     """The values of every "num_return_sequences" entry in HFRollout._generate_minibatch."""
-    fn = function(tree, HF_ROLLOUT, "HFRollout._generate_minibatch")
+    fn = function_def(tree, HF_ROLLOUT, "HFRollout._generate_minibatch")
     return [
         ast.unparse(v)
         for d in ast.walk(fn)
@@ -67,7 +46,7 @@ def return_sequences(tree: Path) -> list[str]:
 
 def hf_wrap_condition(tree: Path) -> list[str]:
     """The tests of the ifs in the actor's FSDP build that drop the wrap policy."""
-    fn = function(tree, FSDP_WORKERS, "ActorRolloutRefWorker._build_model_optimizer")
+    fn = function_def(tree, FSDP_WORKERS, "ActorRolloutRefWorker._build_model_optimizer")
     return [
         ast.unparse(n.test)
         for n in ast.walk(fn)
@@ -83,7 +62,7 @@ def test_sites_are_found_and_rewritten_for_every_profile(
     # The bugs are there in the sdist (the test bites).
     assert return_sequences(verl_tree) == ["1", "self.config.n"]
     assert hf_wrap_condition(verl_tree) == ["self._is_rollout and self.config.rollout.name == 'hf'"]
-    code, out = run_cli(capsys, str(verl_tree), "--profile", profile)
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", profile)
     assert code == 0
     sites = {p["name"]: p["sites"] for p in out["patches"]}
     for name, rel in NEW.items():
@@ -98,8 +77,8 @@ def test_sites_are_found_and_rewritten_for_every_profile(
 
 
 def test_revert_is_byte_identical(verl_tree: Path, verl_pristine: Path, capsys) -> None:
-    run_cli(capsys, str(verl_tree), "--profile", "cpu")
-    code, out = run_cli(capsys, str(verl_tree), "--revert")
+    patch_cli(capsys, str(verl_tree), "--profile", "cpu")
+    code, out = patch_cli(capsys, str(verl_tree), "--revert")
     assert code == 0 and out["changed"] is True
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)
 
@@ -110,14 +89,14 @@ def test_nothing_else_changes(
 ) -> None:
     """The set with the new patches differs from the set without them only at their
     two lines: every other patch's result is byte for byte what it was."""
-    run_cli(capsys, str(verl_tree), "--profile", profile)
+    patch_cli(capsys, str(verl_tree), "--profile", profile)
     with_new = tree_hashes(verl_tree)
     before = tmp_path / "before"
     import shutil
 
     shutil.copytree(verl_pristine, before, symlinks=True)
     without_new(monkeypatch, *NEW)
-    code, out = run_cli(capsys, str(before), "--profile", profile)
+    code, out = patch_cli(capsys, str(before), "--profile", profile)
     assert code == 0 and not set(NEW) & {p["name"] for p in out["patches"]}
     without = tree_hashes(before)
     differ = {
@@ -143,7 +122,7 @@ def test_site_not_found_changes_nothing(verl_tree: Path, capsys) -> None:
     path = verl_tree / HF_ROLLOUT
     path.write_text(path.read_text().replace('"num_return_sequences": self.config.n', '"n": 2'))
     before = tree_hashes(verl_tree)
-    code, out = run_cli(capsys, str(verl_tree))
+    code, out = patch_cli(capsys, str(verl_tree))
     assert code == 2 and out["error"] == "site-not-found"
     assert "hf-rollout-one-sequence" in out["message"] and "site not found" in out["message"]
     assert tree_hashes(verl_tree) == before
@@ -192,8 +171,8 @@ def test_rollout_returns_one_response_per_repeated_prompt(
     # n² responses, which the trainer's union of batch and responses then refuses.
     with monkeypatch.context() as m:
         without_new(m, "hf-rollout-one-sequence")
-        run_cli(capsys, str(verl_tree), "--profile", "cpu")
+        patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert run() == "4 8 (8, 4)"
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "cpu")
+    code, out = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert code == 0 and [f["path"] for f in out["files"] if f["status"] == "patch"] == [HF_ROLLOUT]
     assert run() == "4 4 (4, 4)"

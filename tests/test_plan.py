@@ -8,7 +8,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from conftest import QWEN05B_CONFIG
+from conftest import QWEN05B_CONFIG, verl_config
+from conftest import plan_inputs as inputs
 
 from oldgpu import cli, plan
 from oldgpu.output import EngineError
@@ -16,20 +17,6 @@ from oldgpu.output import EngineError
 GiB = 1024  # MiB
 P40 = 24576
 QWEN05 = plan.SHAPES["qwen2.5-0.5b"]
-
-
-def inputs(**kw: Any) -> plan.Inputs:
-    base: dict[str, Any] = {
-        "memory_mib": P40,
-        "gpus": 1,
-        "shape": QWEN05,
-        "prompt_length": 256,
-        "response_length": 256,
-        "model_name": "qwen2.5-0.5b",
-        "profile_name": "pascal-6.1",
-    }
-    base.update(kw)
-    return plan.Inputs(**base)
 
 
 def check_divisibility(inp: plan.Inputs, c: plan.Choice) -> None:
@@ -578,9 +565,7 @@ PLANS_TO_COMPOSE = {
 def test_overrides_compose_with_verls_own_config(verl_pristine, name):
     """Hydra applies every override to verl 0.5.0's ppo_trainer config: no key is
     missing (Hydra refuses those without ``+``) and each value lands where it should."""
-    hydra = pytest.importorskip("hydra")
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    OmegaConf = pytest.importorskip("omegaconf").OmegaConf
 
     from oldgpu import profile
 
@@ -589,10 +574,7 @@ def test_overrides_compose_with_verls_own_config(verl_pristine, name):
     assert not any(o.startswith("+") for o in overrides)
     arch = "ampere" if found.inputs.rollout == "vllm" else "pascal"
     together = profile.profile_for_arch(arch)["hydra_overrides"] + overrides
-    config_dir = verl_pristine / "verl" / "trainer" / "config"
-    hydra.core.global_hydra.GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=together)
+    cfg = verl_config(verl_pristine, together)
     for override in overrides:
         key, value = override.split("=", 1)
         assert str(OmegaConf.select(cfg, key)) == value, override

@@ -9,6 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from conftest import plan_inputs as inputs
+from conftest import verl_config
 
 from oldgpu import cli, plan
 from oldgpu.output import EngineError
@@ -18,20 +20,6 @@ P40, P100, GTX1080TI = 24576, 16384, 11264
 QWEN05 = plan.SHAPES["qwen2.5-0.5b"]
 QWEN15 = plan.SHAPES["qwen2.5-1.5b"]
 MIB = plan.MIB
-
-
-def inputs(**kw: Any) -> plan.Inputs:
-    base: dict[str, Any] = {
-        "memory_mib": P40,
-        "gpus": 1,
-        "shape": QWEN05,
-        "prompt_length": 256,
-        "response_length": 256,
-        "model_name": "qwen2.5-0.5b",
-        "profile_name": "pascal-6.1",
-    }
-    base.update(kw)
-    return plan.Inputs(**base)
 
 
 def grpo(**kw: Any) -> plan.Inputs:
@@ -438,9 +426,7 @@ def test_cli_largest_when_nothing_fits(plan_cli):
     ids=["lora-list", "lora-two-gpus", "grpo"],
 )
 def test_recipe_overrides_compose_with_verls_own_config(verl_pristine, inp):
-    hydra = pytest.importorskip("hydra")
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    OmegaConf = pytest.importorskip("omegaconf").OmegaConf
 
     from oldgpu import profile
 
@@ -448,10 +434,7 @@ def test_recipe_overrides_compose_with_verls_own_config(verl_pristine, inp):
     overrides = plan.hydra_overrides(found.inputs, found.choice, found.phases)
     assert not any(o.startswith("+") for o in overrides)
     together = profile.profile_for_arch("pascal")["hydra_overrides"] + overrides
-    config_dir = verl_pristine / "verl" / "trainer" / "config"
-    hydra.core.global_hydra.GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=together)
+    cfg = verl_config(verl_pristine, together)
     for override in overrides:
         key, value = override.split("=", 1)
         got = OmegaConf.select(cfg, key)

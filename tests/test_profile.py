@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_runner
+from conftest import cli_runner, verl_config
 
 from oldgpu import detect, profile
 from oldgpu.output import EngineError
@@ -414,15 +414,10 @@ def test_overrides_compose_with_verls_own_config(verl_pristine, arch):
     Hydra refuses a key without ``+`` that the config lacks, and a ``+key`` that
     it already has, so this is the same check verl's trainer makes at start.
     """
-    hydra = pytest.importorskip("hydra")
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    OmegaConf = pytest.importorskip("omegaconf").OmegaConf
 
     overrides = profile.profile_for_arch(arch)["hydra_overrides"]
-    config_dir = verl_pristine / "verl" / "trainer" / "config"
-    hydra.core.global_hydra.GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    cfg = verl_config(verl_pristine, overrides)
     for override in overrides:
         key, value = override.lstrip("+").split("=", 1)
         assert str(OmegaConf.select(cfg, key)) == value, override

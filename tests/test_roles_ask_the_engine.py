@@ -80,6 +80,14 @@ def _script_paths() -> list[Path]:
     return paths
 
 
+def _matches(lines: list[tuple[Path, int, str]], pattern: re.Pattern[str]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path, number, line in lines
+        if pattern.search(line)
+    ]
+
+
 @pytest.fixture(scope="module")
 def role_lines() -> list[tuple[Path, int, str]]:
     if not ROLES.is_dir():  # the Nix build's copy of the tree has src/ and tests/ only
@@ -96,21 +104,13 @@ def script_lines() -> list[tuple[Path, int, str]]:
 
 @pytest.mark.parametrize("what", sorted(FORBIDDEN))
 def test_no_role_re_derives_what_the_engine_answers(role_lines, what):
-    found = [
-        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-        for path, number, line in role_lines
-        if FORBIDDEN[what].search(line)
-    ]
+    found = _matches(role_lines, FORBIDDEN[what])
     assert not found, f"{what} is oldgpu driver's (read oldgpu_engine_driver):\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("what", sorted(SCRIPT_FORBIDDEN))
 def test_no_script_re_derives_what_the_engine_answers(script_lines, what):
-    found = [
-        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-        for path, number, line in script_lines
-        if SCRIPT_FORBIDDEN[what].search(line)
-    ]
+    found = _matches(script_lines, SCRIPT_FORBIDDEN[what])
     assert not found, f"{what} is oldgpu driver's (read its --json):\n" + "\n".join(found)
 
 

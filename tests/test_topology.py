@@ -158,7 +158,7 @@ def test_report_and_doctor_check():
     assert rep["p2p_ok"] is False
     assert rep["matrix"]["GPU1"]["GPU3"] == "PIX" and rep["p2p_read"]["GPU1"]["GPU3"] == "CNS"
     check = topology.doctor_check(rep)
-    assert (check["id"], check["status"]) == ("gpu_topology", "warn")
+    assert (check["id"], check["status"]) == ("gpu-topology", "warn")
     assert "ACS" in check["fix"] and "iommu=pt" in check["fix"]
     assert check["details"]["nccl_env"] == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
     healthy = topology.doctor_check(topology.report(load("4xp40-switch"), None, ["mlx5_0"]))

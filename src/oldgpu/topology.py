@@ -27,6 +27,8 @@ from oldgpu.output import EngineError, Result
 from oldgpu.topo_matrix import LINKS, NVLINK, P2P_CODES, Topology, decode, parse
 
 IB_DIR = "/sys/class/infiniband"
+# The id of the doctor's check that ``doctor_check`` makes (kebab-case, as all its ids).
+DOCTOR_CHECK_ID = "gpu-topology"
 
 # Links where peers should reach each other without a CPU in the path: a
 # refusal there is ACS or the IOMMU, not the platform.
@@ -276,7 +278,7 @@ def doctor_check(rep: Mapping[str, Any]) -> dict[str, Any]:
     items = rep["findings"]
     status = max((f["status"] for f in items), key=order.index, default="skip")
     return {
-        "id": "gpu_topology",
+        "id": DOCTOR_CHECK_ID,
         "status": status,
         "seen": "; ".join(f["seen"] for f in items),
         "fix": "; ".join(

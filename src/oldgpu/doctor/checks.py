@@ -3,7 +3,7 @@
 A check is a function ``facts, profile -> dict`` in the ``checks_*`` module of
 what it judges (the GPU, the venv's packages, the verl tree, memory); a new one
 is added there, to ``CHECK_IDS`` and to ``evaluate``. Pure: no host is asked.
-``gpu_topology`` (``OPTIONAL_CHECK_IDS``) follows them only when the facts hold a
+``gpu-topology`` (``OPTIONAL_CHECK_IDS``) follows them only when the facts hold a
 multi-GPU host's topology (see ``checks_topology``).
 """
 

@@ -1,4 +1,4 @@
-"""The doctor's ``gpu_topology`` check: how a multi-GPU host's cards are wired.
+"""The doctor's ``gpu-topology`` check: how a multi-GPU host's cards are wired.
 
 ``oldgpu.topology`` owns the judgement (P2P broken by ACS/IOMMU, no
 InfiniBand, their causes and fixes); this module turns the facts' recorded
@@ -14,7 +14,7 @@ from typing import Any
 
 from oldgpu import topology
 
-CHECK_ID = "gpu_topology"
+CHECK_ID = topology.DOCTOR_CHECK_ID
 
 
 def check_topology(facts: Mapping[str, Any]) -> dict[str, Any] | None:
