@@ -330,3 +330,49 @@ def test_check_run_afterwards_finds_the_host_converged(host, refused):
     assert run.recap(HOST)["changed"] == 0, run.output[-3000:]
     assert not host.file("/etc/verl/jobs/bad.env").exists
     assert not host.file(FAKE_MOKUTIL).exists
+
+
+HOLD = (
+    "systemd-run --unit={unit} --collect python3 -c "
+    "\"import fcntl, time; f = open('/var/lib/dpkg/lock-frontend', 'a'); "
+    'fcntl.lockf(f, fcntl.LOCK_EX); time.sleep({seconds})"'
+)
+
+
+def hold_dpkg_lock(host, unit, seconds):
+    """Hold dpkg's lock as dpkg does (fcntl; flock(1) takes a lock apt never sees)."""
+    host.check_output(HOLD.format(unit=unit, seconds=seconds))
+    for _ in range(20):
+        if host.run("grep -q POSIX /proc/locks").rc == 0:
+            return
+        time.sleep(0.5)
+    pytest.fail("the holder did not take the lock")
+
+
+def test_held_dpkg_lock_stops_after_the_timeout_naming_the_holder(host):
+    hold_dpkg_lock(host, "dpkg-holder-1", 60)
+    try:
+        start = time.monotonic()
+        args = ("--tags", "base_preflight", "-e", "base_apt_lock_timeout=6")
+        run = playbook(*args, playbook="playbooks/base.yml")
+        waited = time.monotonic() - start
+    finally:
+        host.run("systemctl stop dpkg-holder-1")
+    assert run.rc != 0, run.output[-2000:]
+    assert "dpkg-lock-held: /var/lib/dpkg/lock-frontend is held by pid" in run.output
+    assert "python3" in run.output and "base_apt_lock_timeout" in run.output
+    assert waited >= 6
+    assert run.recap(HOST)["changed"] == 0
+
+
+def test_held_dpkg_lock_is_waited_for(host):
+    # Longer than the play takes unhindered: it ends only after the holder let go.
+    hold_dpkg_lock(host, "dpkg-holder-2", 30)
+    start = time.monotonic()
+    run = playbook("--tags", "base_preflight", playbook="playbooks/base.yml")
+    waited = time.monotonic() - start
+    holder = host.run("systemctl is-active dpkg-holder-2").stdout.strip()
+    host.run("systemctl stop dpkg-holder-2")
+    assert run.rc == 0, run.output[-2000:]
+    print(f"dpkg lock: the play waited, {waited:.0f} s in all")
+    assert holder != "active", "the play ended while the lock was still held"
