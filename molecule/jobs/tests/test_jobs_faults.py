@@ -63,7 +63,8 @@ def kill_stop_resume(host):
     # What anyone on the host sees of the running job, and what the job itself got.
     seen = host.check_output("ps -eo user,pid,args --cols 10000")
     environ = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
-    host.check_output(f"kill -KILL {pid}")
+    # SIGKILL to every process of the job (verl, Ray's workers), as a crash would.
+    host.check_output(f"systemctl kill --signal=KILL {UNIT}")
     killed = cursor(host)
     # The worst a kill during a save leaves: verl's tracker truncated by its open("w")
     # and the next step's directory half written (models, no data.pt).
@@ -84,6 +85,10 @@ def kill_stop_resume(host):
     host.check_output(f"systemctl stop {UNIT}")
     stop_s = time.monotonic() - t0
     stopped = cursor(host)
+    # The save the stop interrupted was completed: the tracker names the newest step.
+    newest = host.check_output(f"ls {CKPT} | sed -n 's/^global_step_//p' | sort -n | tail -n1")
+    tracker_at_stop = host.file(TRACKER).content_string.strip()
+    data_at_stop = host.file(f"{CKPT}/global_step_{newest}/data.pt").exists
     restarts = int(show(host, "NRestarts")["NRestarts"])
     after_kill = journal(host, killed)
     host.check_output(f"systemctl start {UNIT}")
@@ -93,6 +98,8 @@ def kill_stop_resume(host):
         "restarts": restarts,
         "after_kill": after_kill,
         "stop_s": stop_s,
+        "stop_journal": journal(host, killed),
+        "at_stop": (newest.strip(), tracker_at_stop, data_at_stop),
         "after_stop": journal(host, stopped),
         "result": result,
         "ps": seen,
@@ -118,6 +125,13 @@ def test_stop_during_a_save_ends_within_timeoutstopsec(host, kill_stop_resume):
     assert timeout == "5min"
     print(f"stop during a save: {kill_stop_resume['stop_s']:.1f} s")
     assert kill_stop_resume["stop_s"] < 300
+    newest, tracker, data = kill_stop_resume["at_stop"]
+    text = kill_stop_resume["stop_journal"]
+    finished = "letting it finish" in text
+    print(f"stop: newest checkpoint {newest}, tracker {tracker}, waited for the save: {finished}")
+    assert "stopped on request" in text, text[-3000:]
+    # No half-written checkpoint left behind: the newest one is complete and recorded.
+    assert tracker == newest and data, (newest, tracker, data, text[-2000:])
 
 
 def test_run_after_the_stop_resumes_and_finishes(host, kill_stop_resume):
