@@ -181,8 +181,13 @@ def test_job_cannot_write_outside_its_state_and_log_dirs(host):
     ).split("\n")
     args = " ".join(f"'{p}'" for p in props if p) + " -p StateDirectory=verl/jobs/smoke"
     args += " -p LogsDirectory=verl -p User=verl -p Group=verl"
+    # /var/tmp and another job's state directory are writable for verl without the
+    # sandbox (the control run below); /tmp is private and /dev/shm is Ray's object store.
+    dirs = "/etc /opt/verl /usr/local /var/lib/verl /var/lib/verl/smoke"
+    dirs += " /var/lib/verl/jobs/grpo-lora"
+    dirs += " /var/tmp /root /home /var/log"
     probe = (
-        "for d in /etc /opt/verl /usr/local /var/lib /var/lib/verl /root /home /var/log; do"
+        f"for d in {dirs}; do"
         ' if touch "$d/.probe" 2>/dev/null; then echo "WROTE $d"; rm -f "$d/.probe"; fi; done;'
         f" touch {STATE}/.probe && echo STATE-OK && rm {STATE}/.probe;"
         " touch /var/log/verl/.probe && echo LOG-OK && rm /var/log/verl/.probe"
@@ -190,6 +195,9 @@ def test_job_cannot_write_outside_its_state_and_log_dirs(host):
     out = host.run(f"systemd-run --wait --pipe --quiet {args} /bin/sh -c '{probe}'")
     assert "STATE-OK" in out.stdout and "LOG-OK" in out.stdout, out.stdout + out.stderr
     assert "WROTE" not in out.stdout, out.stdout
+    control = host.run(f"runuser -u verl -- /bin/sh -c '{probe}'")
+    assert "WROTE /var/tmp" in control.stdout, control.stdout + control.stderr
+    assert "WROTE /var/lib/verl/jobs/grpo-lora" in control.stdout, control.stdout
 
 
 def test_secrets_reach_the_job_and_nothing_else(host, kill_stop_resume):
