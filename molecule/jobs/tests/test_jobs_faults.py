@@ -217,7 +217,7 @@ def test_job_cannot_write_outside_its_state_and_log_dirs(host):
         " /bin/sh -c 'touch /var/tmp/.ns && echo WROTE; rm -f /var/tmp/.ns'"
     )
     if "WROTE" in enforced.stdout:
-        pytest.skip("this container cannot make mount namespaces: systemd ignores ProtectSystem= here")
+        pytest.skip("no mount namespaces in this container: systemd ignores ProtectSystem= here")
     out = host.run(f"systemd-run --wait --pipe --quiet {args} /bin/sh -c '{probe}'")
     assert "STATE-OK" in out.stdout and "LOG-OK" in out.stdout, out.stdout + out.stderr
     assert "WROTE" not in out.stdout, out.stdout
