@@ -27,7 +27,7 @@ def until_tracker(host, at, then="", timeout=WAIT_S):
     """Block (inside the host) until verl's tracker reaches step `at`, then run `then`."""
     script = (
         f"end=$((SECONDS + {timeout})); while [ $SECONDS -lt $end ]; do"
-        f" t=$(cat {TRACKER} 2>/dev/null); case $t in ''|*[!0-9]*) t=0;; esac;"
+        f' t=$(cat {TRACKER} 2>/dev/null); case $t in ""|*[!0-9]*) t=0;; esac;'
         f" [ $t -ge {at} ] && break; sleep 0.05; done; [ $t -ge {at} ] && {{ {then or ':'}; }}"
     )
     return host.check_output(f"bash -c '{script}'")
@@ -37,7 +37,7 @@ def until_tracker(host, at, then="", timeout=WAIT_S):
 # the tracker exists from the save's first file until the tracker names it.
 STOP_IN_A_SAVE = (
     "end=$((SECONDS + 600)); while [ $SECONDS -lt $end ]; do"
-    " t=$(cat {tracker} 2>/dev/null); case $t in ''|*[!0-9]*) continue;; esac;"
+    ' t=$(cat {tracker} 2>/dev/null); case $t in ""|*[!0-9]*) continue;; esac;'
     " [ -d {ckpt}/global_step_$((t + 1)) ] && break; done;"
     " s=$(date +%s.%N); systemctl stop {unit}; e=$(date +%s.%N); echo $t $s $e"
 )
