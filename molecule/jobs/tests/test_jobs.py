@@ -12,6 +12,8 @@ STATE = "/var/lib/verl/jobs/smoke"
 CKPT = f"{STATE}/checkpoints"
 FIRST_STEPS, SECOND_STEPS = 2, 4
 RUN_TIMEOUT_S = 900
+# The smoke job's secrets, as molecule.yml declares them (test_jobs_faults checks where they go).
+SECRETS = {"WANDB_API_KEY": "wandb-test-0f3a9c51", "HF_TOKEN": "hf_test_7d2e51b8"}
 
 
 def show(host, *props, unit=UNIT):
@@ -61,6 +63,7 @@ def second_run(host, first_run):
         "prompt_length": 128,
         "response_length": 16,
         "overrides": ["actor_rollout_ref.actor.use_kl_loss=True"],
+        "secrets": SECRETS,
     }
     run = playbook("-e", json.dumps({"verl_jobs": [job]}), "--tags", "verl_jobs")
     assert run.rc == 0, run.output[-3000:]
