@@ -50,10 +50,10 @@ EXIT_HEAD_UNREACHABLE = 5
 def resources(gpus: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``num_gpus`` and one resource per architecture, from detect's GPUs.
 
-    Only GPUs the driver drives (an nvidia-smi index) count: a card lspci sees
-    without a driver cannot run a Ray task.
+    Only GPUs the driver drives (nvidia-smi lists them) count: a card that
+    only lspci sees cannot run a Ray task.
     """
-    driven = [g for g in gpus if g.get("index") is not None]
+    driven = [g for g in gpus if g.get("source") == "nvidia-smi" and g.get("index") is not None]
     per_arch: dict[str, int] = {}
     for g in driven:
         arch = g.get("architecture") or "unknown"
