@@ -1,6 +1,6 @@
 """verl 0.5.0 training benchmark under the P40 guard, through the production start path.
 
-Every setting is a training job: the fields of ``oldgpu job`` (src/oldgpu/jobs.py), and
+Every setting is a training job: the fields of ``oldgpu job`` (src/oldgpu/jobs/settings.py), and
 in the job's ``overrides`` what only a benchmark needs. A run
 
 1. builds the assets (bench/bench_assets.py), offline: a model of the setting's shape
@@ -84,7 +84,7 @@ SMOKE_BATCH = 4
 
 @dataclass(frozen=True)
 class Setting:
-    """One benchmark job. ``job``: fields of src/oldgpu/jobs.py; ``overrides``: Hydra
+    """One benchmark job. ``job``: fields of src/oldgpu/jobs/settings.py; ``overrides``: Hydra
     overrides only a benchmark needs (the job's ``overrides``, applied last; ``{batch}``,
     ``{half}`` and ``{reward}`` are filled in); ``gpu_only``: those dropped on the cpu
     profile."""

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import QWEN05B_CONFIG
 
-from oldgpu import jobs, profile
+from oldgpu import detect, jobs, profile
 from oldgpu.output import EngineError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -395,7 +395,7 @@ def test_merge_keeps_first_position_for_new_keys_only():
 def test_a_plan_that_cannot_fit_is_a_config_error(job_dir, monkeypatch):
     job = jobs.job_from_mapping(spec(job_dir, prompt_length=4096, response_length=32768))
     monkeypatch.setattr(
-        jobs.detect,
+        detect,
         "detect_from_args",
         lambda args: {"gpus": [dict(architecture="pascal", compute_capability="6.1",
                                     memory_mib=24576, name="Tesla P40")]},

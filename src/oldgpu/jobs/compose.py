@@ -1,0 +1,275 @@
+"""Composing a job's run: the profile, the plan, verl's overrides and argv, the environment.
+
+Everything derived from the host — the profile of the GPUs fitted now, the
+planner's batch sizes and offload, the cards and NCCL's settings — is decided
+here when the job starts, so a card swap needs no re-provisioning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from oldgpu import detect, devices, profile, recipe, topology
+from oldgpu import plan as planner
+from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
+from oldgpu.output import EngineError
+
+
+def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The job's forced profile, else the one of the GPUs fitted now."""
+    if job.profile:
+        arch, cc = profile_name(job.profile)
+        return profile.profile_for_arch(arch, cc)
+    if gpus is None:
+        gpus = detect.detect()["gpus"]
+    return profile.profile_for_gpus(gpus)
+
+
+def plan_inputs(
+    job: Job,
+    prof: Mapping[str, Any],
+    memory_mib: int,
+    model_config: Mapping[str, Any],
+    gpus: int | None = None,
+) -> planner.Inputs:
+    """The planner's inputs; ``gpus`` is the count of the chosen cards (FSDP shards over them)."""
+    return planner.Inputs(
+        memory_mib=int(memory_mib),
+        gpus=_gpu_count(job) if gpus is None else gpus,
+        shape=planner.shape_from_config(model_config),
+        prompt_length=job.prompt_length,
+        response_length=job.response_length,
+        compute_dtype=prof["compute_dtype"],
+        rollout=prof["rollout"],
+        device=prof["device"],
+        target_train_batch=job.train_batch_size or None,
+        model_name=job.model_path,
+        profile_name=prof["name"],
+        # The recipe, validated by the planner (it owns which estimator has a critic).
+        **planner.recipe_fields(
+            algorithm=job.algorithm,
+            rollout_n=job.rollout_n,
+            lora_rank=job.lora_rank,
+            lora_alpha=job.lora_alpha,
+            lora_target_modules=job.lora_target_modules,
+            ref=recipe.needs_ref(job),
+        ),
+    )
+
+
+def _gpu_count(job: Job) -> int:
+    """The job's count when no cards were chosen (``all`` needs the host's cards)."""
+    if job.gpus == "all":
+        raise EngineError(
+            "gpus-all-needs-host",
+            "gpus: all counts this host's GPUs; compose it with the host's facts",
+            code=CONFIG_INVALID,
+        )
+    return int(job.gpus)
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets (``+a.b=1`` -> ``a.b``)."""
+    return override.lstrip("~+").split("=", 1)[0]
+
+
+def merge_overrides(*groups: Iterable[str]) -> list[str]:
+    """One override per key (Hydra refuses repeats): the last one wins, in its own position.
+
+    A key set again moves to where it was set last: ``[a=1, b=2], [a=3]`` gives ``[b=2, a=3]``.
+    """
+    merged: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            key = override_key(item)
+            merged.pop(key, None)
+            merged[key] = item
+    return list(merged.values())
+
+
+def job_overrides(job: Job, paths: Mapping[str, Path], gpus: int | None = None) -> list[str]:
+    """What the job itself decides: data, model, schedule, logging, resume."""
+    critic = []
+    if recipe.uses_critic(job.algorithm):
+        critic = [
+            f"critic.model.path={job.critic_model_path or job.model_path}",
+            # The tokenizer is the actor's (verl reads it from critic.model.tokenizer_path).
+            f"critic.model.tokenizer_path={job.model_path}",
+        ]
+    return [
+        f"data.train_files={job.train_files}",
+        f"data.val_files={job.val_files}",
+        f"actor_rollout_ref.model.path={job.model_path}",
+        *critic,
+        f"trainer.total_training_steps={job.total_steps}",
+        # verl stops at the end of total_epochs even short of the steps; every
+        # epoch has a step, so this many never ends a job early.
+        f"trainer.total_epochs={job.total_steps}",
+        f"trainer.save_freq={job.save_freq}",
+        f"trainer.test_freq={job.test_freq}",
+        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={_gpu_count(job) if gpus is None else gpus}",
+        "trainer.project_name=verl",
+        f"trainer.experiment_name={job.name}",
+        "trainer.logger=['console','tensorboard']",
+        f"trainer.default_local_dir={paths['checkpoints']}",
+        "trainer.resume_mode=auto",
+        # A unit restart must not spend minutes validating before it trains.
+        "trainer.val_before_train=False",
+    ]
+
+
+def compose(
+    job: Job,
+    prof: Mapping[str, Any],
+    memory_mib: int,
+    model_config: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    cards: Sequence[int] | None = None,
+    nccl: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The planner's choice and verl's argv for this job on this profile.
+
+    ``cards`` are the chosen GPUs (``choose_devices``): their count is
+    ``n_gpus_per_node`` and the planner's ``gpus``, and the job sees only them.
+    None (the cpu profile, or a caller without the host's facts): the job's own
+    count, and no CUDA variables. ``nccl`` is the topology's NCCL settings.
+    """
+    paths = job.paths(environ)
+    count = None if cards is None else len(cards)
+    found = planner.plan(plan_inputs(job, prof, memory_mib, model_config, count))
+    plan_doc = planner.payload(found)
+    argv = [
+        "-m",
+        "verl.trainer.main_ppo",
+        *merge_overrides(
+            prof["hydra_overrides"],
+            plan_doc["hydra_overrides"],
+            job_overrides(job, paths, count),
+            recipe.overrides(job, prof),
+            job.overrides,
+        ),
+    ]
+    return {
+        "job": job.name,
+        "profile": prof["name"],
+        "memory_mib": int(memory_mib),
+        "paths": {k: str(v) for k, v in paths.items()},
+        "plan": plan_doc,
+        "argv": argv,
+        "devices": None if cards is None else list(cards),
+        "environment": {
+            **environment(job, prof, paths),
+            **({} if cards is None else devices.visible_devices_env(cards)),
+            **(nccl or {}),
+        },
+    }
+
+
+def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, str]:
+    """What the start script exports before Python (and Ray's workers) start."""
+    env = {
+        "HYDRA_FULL_ERROR": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TENSORBOARD_DIR": str(paths["tensorboard"]),
+        "HF_HOME": str(paths["cache"] / "huggingface"),
+        "XDG_CACHE_HOME": str(paths["cache"]),
+        "OLDGPU_COMPUTE_DTYPE": prof["compute_dtype"],
+        "OLDGPU_ATTN_IMPLEMENTATION": prof["attn_implementation"],
+        # Ray's session files in the unit's private /tmp: one per job, gone when it stops.
+        "RAY_TMPDIR": "/tmp/ray",
+        # Every worker's line in the journal, without terminal colour codes.
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_COLOR_PREFIX": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    if prof["device"] == "cuda":
+        # Fewer unusable fragments when offload moves tensors in and out.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return env
+
+
+def _memory_mib(prof: Mapping[str, Any], gpus: Sequence[Mapping[str, Any]]) -> int:
+    if prof["device"] == "cpu":
+        available = planner._host_available_mib()
+        if not available:
+            raise invalid("cannot read MemAvailable from /proc/meminfo for the cpu profile")
+        return available
+    sizes = [g.get("memory_mib") for g in gpus]
+    if not sizes or not all(sizes):
+        raise invalid("cannot tell the GPUs' memory; is the driver loaded?")
+    return min(sizes)
+
+
+def _model_config(job: Job) -> dict[str, Any]:
+    path = Path(job.model_path) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise invalid(f"model_path: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise invalid(f"model_path: {path} is not JSON: {exc}") from None
+
+
+def compose_for_host(
+    job: Job,
+    environ: Mapping[str, str] | None = None,
+    args: argparse.Namespace | None = None,
+) -> dict[str, Any]:
+    """``compose`` with this host's facts: the job's cards (one profile's, unless the
+    job's profile is cpu), their profile and memory or the host's, the topology
+    between the cards, the model's config."""
+    args = args or argparse.Namespace()
+    cards: list[int] | None = None
+    nccl: dict[str, str] = {}
+    try:
+        if job.profile == "cpu":
+            gpus: list[Mapping[str, Any]] = []
+        else:
+            gpus = detect.detect_from_args(args)["gpus"]
+        prof = resolve_profile(job, gpus)
+        if prof["device"] == "cuda" and not gpus:
+            raise invalid(f"profile {prof['name']} needs a GPU and none was detected")
+        if prof["device"] == "cuda":
+            cards = devices.choose_devices(
+                gpus,
+                devices.gpu_profiles(gpus),
+                job.gpus,
+                list(job.devices) or None,
+                profile=job.profile or None,
+            )
+            gpus = [g for g in gpus if g["index"] in cards]
+            if not job.profile:
+                prof = profile.profile_for_gpus(gpus)
+            if len(cards) > 1:
+                nccl = _nccl_env(cards, args)
+        for key in ("train_files", "val_files"):
+            if not Path(getattr(job, key)).exists():
+                raise invalid(f"{key}: {getattr(job, key)} does not exist")
+        return compose(job, prof, _memory_mib(prof, gpus), _model_config(job), environ, cards, nccl)
+    except EngineError as exc:
+        if exc.code == CONFIG_INVALID or exc.name.startswith("topology-"):
+            raise
+        # The planner refusing (does not fit), or the host lacking the cards the job
+        # asks for, is a config error too: restarting won't help.
+        raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
+
+
+def _nccl_env(cards: Sequence[int], args: argparse.Namespace) -> dict[str, str]:
+    """NCCL's settings for a job on several cards, from the host's topology
+    (or the recorded ``--topo-file``/``--p2p-file``/``--ib-dir``)."""
+    given = argparse.Namespace(
+        topo_file=getattr(args, "topo_file", None),
+        p2p_file=getattr(args, "p2p_file", None),
+        gpus=",".join(map(str, cards)),
+        ib_file=None,
+        ib_dir=getattr(args, "ib_dir", None) or topology.IB_DIR,
+    )
+    return dict(topology.from_args(given)["nccl_env"])

@@ -1,0 +1,347 @@
+"""A job's settings: the fields, their defaults and checks, and the env file that holds them.
+
+``FIELDS`` is the one list of job settings; the role's argument specs and the
+Nix module's options are tested against it. A value that cannot run is refused
+here, with a named error and exit code 4 (``CONFIG_INVALID``), before a unit starts.
+The env file format is ``KEY='value'`` per line: systemd's EnvironmentFile= and a
+shell's ``.`` read it alike, so values may hold neither a quote nor a newline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oldgpu import paths, profile, recipe
+from oldgpu.output import EngineError
+
+CONFIG_INVALID = 4
+
+# Where jobs live on a host (oldgpu.paths owns them; the unit names them too).
+JOBS_DIR = paths.JOBS_DIR
+STATE_DIR = paths.STATE_DIR
+LOG_DIR = paths.LOG_DIR
+ENV_PREFIX = "VERL_JOB_"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+# What may not appear in a value of the env file (see the module docstring).
+FORBIDDEN = ("'", "\n", "\r", "\\")
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str  # as in the inventory / Nix option
+    kind: str  # str, path, int, float, list, bool; count (an int or "all"), indices (ints)
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+REQUIRED = object()
+
+# fmt: off
+FIELDS: tuple[Field, ...] = (
+    Field("name", "str", REQUIRED, "the job's name: the unit is verl-train@<name>"),
+    Field("model_path", "path", REQUIRED, "a local model directory (config.json, weights, tokenizer)"),  # noqa: E501
+    Field("critic_model_path", "path", "", "the critic's model directory (default: model_path)"),
+    Field("train_files", "path", REQUIRED, "training parquet in verl's layout (oldgpu data)"),
+    Field("val_files", "path", REQUIRED, "validation parquet"),
+    Field("data_source", "str", "openai/gsm8k", "the data_source rows carry; picks verl's reward"),
+    Field("total_steps", "int", REQUIRED, "trainer.total_training_steps"),
+    Field("save_freq", "int", 10, "checkpoint every N steps (resume continues from the last)"),
+    Field("test_freq", "int", -1, "validate every N steps (-1: never)"),
+    Field("gpus", "count", 1, "GPUs for this job: a number, or all (the cards of one profile)"),
+    Field("devices", "indices", [], "the GPUs (nvidia-smi indices) to run on (empty: the engine chooses)"),  # noqa: E501
+    Field("prompt_length", "int", 256, "data.max_prompt_length (the planner's input)"),
+    Field("response_length", "int", 256, "data.max_response_length (the planner's input)"),
+    Field("train_batch_size", "int", 0, "a train batch to plan for (0: the planner chooses)"),
+    Field("algorithm", "str", recipe.DEFAULT_ALGORITHM, "advantage estimator: " + ", ".join(recipe.ALGORITHMS) + " (only gae trains a critic)"),  # noqa: E501
+    Field("rollout_n", "int", 1, "responses sampled per prompt (grpo, rloo: at least 2)"),
+    Field("kl_loss_coef", "float", 0.001, "KL-to-reference loss; on for the critic-free algorithms (0: off)"),  # noqa: E501
+    Field("lora_rank", "int", 0, "LoRA adapters of this rank on the actor (0: full fine-tuning)"),
+    Field("lora_alpha", "int", 0, "LoRA alpha (0: twice lora_rank)"),
+    Field("lora_target_modules", "list", [], "modules LoRA adapts, e.g. [q_proj, v_proj] (empty: all-linear)"),  # noqa: E501
+    Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
+    Field("overrides", "list", [], "extra Hydra overrides, applied last"),
+    Field("enabled", "bool", True, "start the job at boot"),
+)
+# fmt: on
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+# ``enabled`` is systemd's business (the unit's enablement), not the job's env.
+ENV_FIELDS = tuple(f for f in FIELDS if f.name != "enabled")
+
+
+def invalid(message: str) -> EngineError:
+    return EngineError("job-config-invalid", message, code=CONFIG_INVALID)
+
+
+def _check_value(field: Field, value: str) -> None:
+    for bad in FORBIDDEN:
+        if bad in value:
+            raise invalid(f"{field.name}: {value!r} holds {bad!r}, which an env file cannot")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    model_path: str
+    critic_model_path: str
+    train_files: str
+    val_files: str
+    data_source: str
+    total_steps: int
+    save_freq: int
+    test_freq: int
+    gpus: int | str
+    devices: tuple[int, ...]
+    prompt_length: int
+    response_length: int
+    train_batch_size: int
+    algorithm: str
+    rollout_n: int
+    kl_loss_coef: float
+    lora_rank: int
+    lora_alpha: int
+    lora_target_modules: tuple[str, ...]
+    profile: str
+    overrides: tuple[str, ...]
+
+    # Where its state lives: systemd's StateDirectory= (STATE_DIRECTORY), else the default.
+    def state_dir(self, environ: Mapping[str, str] | None = None) -> Path:
+        env = os.environ if environ is None else environ
+        given = env.get("STATE_DIRECTORY", "").split(":")[0]
+        return Path(given) if given else STATE_DIR / self.name
+
+    def paths(self, environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+        state = self.state_dir(environ)
+        return {
+            "state": state,
+            "checkpoints": state / "checkpoints",
+            "tensorboard": state / "tensorboard",
+            "cache": state / "cache",
+            "plan": state / "plan.json",
+        }
+
+
+def job_from_mapping(values: Mapping[str, Any]) -> Job:
+    """A job from inventory-style values (``name``, ``model_path``, ...), validated."""
+    if not isinstance(values, Mapping):
+        raise invalid(f"a job is a JSON object of settings, not {type(values).__name__}")
+    unknown = sorted(set(values) - set(FIELD_BY_NAME))
+    if unknown:
+        raise invalid(f"unknown job settings: {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for field in ENV_FIELDS:
+        value = values.get(field.name, field.default)
+        if value is REQUIRED or (value in ("", None) and field.default is REQUIRED):
+            raise invalid(f"{field.name} is required ({field.help})")
+        if field.kind == "int":
+            value = _integer(field, value)
+        elif field.kind == "count":
+            value = _count(field, value)
+        elif field.kind == "indices":
+            value = _indices(field, value)
+        elif field.kind == "float":
+            value, problem = recipe.parse_float(field.name, value)
+            if problem:
+                raise invalid(problem)
+        elif field.kind == "list":
+            if not isinstance(value, list | tuple) or not all(
+                isinstance(v, str | int | float) and not isinstance(v, bool) for v in value
+            ):
+                raise invalid(f"{field.name}: expected a list of strings, got {value!r}")
+            value = tuple(str(v) for v in value)
+            for item in value:
+                _check_value(field, item)
+                if '"' in item:  # JSON would escape it with a backslash
+                    raise invalid(
+                        f"{field.name}: {item!r} holds a double quote; Hydra takes unquoted values"
+                    )
+        else:
+            value = str(value)
+            _check_value(field, value)
+            if field.kind == "path" and value and not value.startswith("/"):
+                raise invalid(f"{field.name}: {value!r} is not an absolute path")
+            if field.kind == "path" and _under(value, PROTECTED_HOME):
+                raise EngineError(
+                    "job-path-protected",
+                    f"{field.name}: {value!r} is under {', '.join(PROTECTED_HOME)}, which the "
+                    "unit cannot read (ProtectHome=); move it, e.g. under /var/lib/verl or /srv",
+                    code=CONFIG_INVALID,
+                )
+        out[field.name] = value
+    if not NAME_RE.match(out["name"]):
+        raise invalid(
+            f"name: {out['name']!r} must be 1-32 of a-z 0-9 _ - (it names a unit and a directory)"
+        )
+    for key in ("total_steps", "prompt_length", "response_length"):
+        if out[key] < 1:
+            raise invalid(f"{key}: {out[key]} must be at least 1")
+    if out["save_freq"] < 1:
+        raise invalid(
+            f"save_freq: {out['save_freq']} must be at least 1 (resume needs checkpoints)"
+        )
+    if out["train_batch_size"] < 0:
+        raise invalid("train_batch_size: must be 0 (planner chooses) or a batch size")
+    for item in out["overrides"]:
+        if "=" not in item and not item.startswith("~"):
+            raise invalid(f"overrides: {item!r} is not a Hydra override (key=value)")
+    if out["profile"] and profile_name(out["profile"])[0] not in profile.PROFILES:
+        raise invalid(f"profile: {out['profile']!r} is not one of {sorted(profile.PROFILES)}")
+    if out["profile"]:
+        try:  # what `job command` resolves; refused here so a unit never starts with it
+            profile.profile_for_arch(*profile_name(out["profile"]))
+        except EngineError as exc:
+            raise invalid(f"profile: {exc.message}") from None
+    for problem in recipe.problems(out):
+        raise invalid(problem)
+    return Job(**out)
+
+
+# systemd's ProtectHome= hides these from the unit (the job's model and data must not be there).
+PROTECTED_HOME = ("/home", "/root", "/run/user")
+
+
+def _under(path: str, roots: Sequence[str]) -> bool:
+    normal = os.path.normpath(path)
+    return any(normal == root or normal.startswith(root + "/") for root in roots)
+
+
+def _integer(field: Field, value: Any) -> int:
+    """An int, or a string or float that is exactly one (8.5 is refused, not truncated)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise invalid(f"{field.name}: {value!r} is not an integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise invalid(f"{field.name}: {value!r} is not an integer") from None
+
+
+def _count(field: Field, value: Any) -> int | str:
+    """A GPU count: an integer of at least 1, or ``all``."""
+    if value == "all":
+        return "all"
+    try:
+        count = _integer(field, value)
+    except EngineError:
+        count = 0
+    if count < 1:
+        raise EngineError(
+            "gpus-invalid",
+            f"{field.name}: {value!r} is not a count of at least 1 or 'all'",
+            code=CONFIG_INVALID,
+        )
+    return count
+
+
+def _indices(field: Field, value: Any) -> tuple[int, ...]:
+    """GPU indices as nvidia-smi numbers them: whole numbers, each once."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise EngineError(
+            "devices-invalid",
+            f"{field.name}: expected a list of GPU indices, got {value!r}",
+            code=CONFIG_INVALID,
+        )
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int | str):
+            item = None
+        elif isinstance(item, str):
+            item = int(item) if item.strip().isascii() and item.strip().isdigit() else None
+        if item is None or item < 0:
+            raise EngineError(
+                "devices-invalid",
+                f"{field.name}: {list(value)!r} is not a list of GPU indices",
+                code=CONFIG_INVALID,
+            )
+        out.append(item)
+    if len(set(out)) != len(out):
+        raise EngineError(
+            "devices-invalid", f"{field.name}: {out} names a GPU twice", code=CONFIG_INVALID
+        )
+    return tuple(out)
+
+
+def profile_name(name: str) -> tuple[str, str | None]:
+    arch, _, cc = name.partition("-")
+    return arch, cc or None
+
+
+def render_env(job: Job) -> str:
+    """The env file, as both front-ends write it (tests compare them with this)."""
+    lines = [f"# verl training job {job.name}: read by verl-train@{job.name}.service"]
+    for field in ENV_FIELDS:
+        value = getattr(job, field.name)
+        if field.kind in ("list", "indices"):
+            text = json.dumps(list(value))
+        elif field.kind == "float":
+            text = recipe.format_float(value)
+        else:
+            text = str(value)
+        lines.append(f"{field.env}='{text}'")
+    return "\n".join(lines) + "\n"
+
+
+def parse_env(text: str, source: str = "env file") -> dict[str, str]:
+    """``KEY='value'`` lines (or unquoted, or double-quoted without escapes)."""
+    env: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key.strip()):
+            raise invalid(f"{source}:{number}: not KEY=value: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def job_from_env(env: Mapping[str, str]) -> Job:
+    """A job from ``VERL_JOB_*`` variables (the unit's environment or a parsed env file)."""
+    values: dict[str, Any] = {}
+    for field in ENV_FIELDS:
+        if field.env not in env:
+            continue
+        raw = env[field.env]
+        if field.kind in ("list", "indices"):
+            try:
+                values[field.name] = json.loads(raw or "[]")
+            except json.JSONDecodeError as exc:
+                raise invalid(f"{field.env}: not a JSON list of strings ({exc})") from None
+            if not isinstance(values[field.name], list):
+                raise invalid(f"{field.env}: not a JSON list of strings")
+        else:
+            values[field.name] = raw
+    return job_from_mapping(values)
+
+
+def load_job(name: str, jobs_dir: Path = JOBS_DIR) -> Job:
+    path = jobs_dir / f"{name}.env"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise invalid(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise invalid(f"{path}: not UTF-8 text ({exc.reason})") from None
+    return job_from_env(parse_env(text, str(path)))
+
+
+def job_names(jobs_dir: Path = JOBS_DIR) -> list[str]:
+    try:
+        return sorted(
+            p.name[: -len(".env")]
+            for p in jobs_dir.glob("*.env")
+            if not p.name.endswith(".secrets.env")
+        )
+    except OSError:
+        return []
