@@ -219,7 +219,10 @@ def test_units_are_hardened_like_the_job_unit(name):
     assert ray["User"] == [paths.USER] and ray["Group"] == [paths.GROUP]
     assert ray["EnvironmentFile"] == [str(raynode.NODE_ENV)]
     assert ray["ConditionPathExists"] == [str(raynode.NODE_ENV)]
-    assert ray["StateDirectory"] == [str(raynode.RAY_DIR.relative_to("/var/lib"))]
+    # Ray's session, and the jobs' state where a cluster job's ranks write their shards.
+    assert ray["StateDirectory"] == [
+        f"{raynode.RAY_DIR.relative_to('/var/lib')} {paths.STATE_DIR.relative_to('/var/lib')}"
+    ]
     assert ray["Environment"] == [f"RAY_TMPDIR={raynode.RAY_DIR}"]
     role = name.removeprefix("ray-").removesuffix(".service")
     assert ray["ExecStart"] == [f"{paths.BIN_DIR}/ray-node {role}"]
@@ -230,6 +233,10 @@ def test_units_are_hardened_like_the_job_unit(name):
         ray["StartLimitIntervalSec"][0]
     )
     assert ray["Conflicts"] == [f"ray-{'worker' if role == 'head' else 'head'}.service"]
+
+
+def test_a_cluster_jobs_driver_may_write_the_heads_session():
+    assert unit(JOB_UNIT)["ReadWritePaths"] == [f"-{raynode.RAY_DIR}"]
 
 
 def test_only_the_worker_waits_for_the_head():

@@ -34,6 +34,7 @@ COMMAND_MODULES = (
     "oldgpu.switch",
     "oldgpu.paths",
     "oldgpu.raynode",
+    "oldgpu.fleet",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's

@@ -7,8 +7,10 @@ then, so a box whose cards changed joins with what it has now.
 
 Resources: ``--num-gpus`` counts the GPUs the driver drives, and each GPU
 architecture is a custom resource (``{"pascal": 4}``) so that a job can ask
-for Pascal nodes only. Ports are fixed from the cluster's settings (the GCS
-port and one block of node ports), so that a firewall can list them.
+for Pascal nodes only; the venv's lock and the verl tree's hashes are resources
+too (``oldgpu fleet``), for a cluster job to compare. Ports are fixed from the
+cluster's settings (the GCS port and one block of node ports), so that a
+firewall can list them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from oldgpu import detect, paths, subcommand
+from oldgpu import detect, fleet, paths, subcommand
 from oldgpu.output import EngineError, Result
 
 # Ray's session files: one fixed place for the head, its workers and a job's
@@ -104,6 +106,9 @@ def settings(environ: Mapping[str, str]) -> dict[str, Any]:
     wait = environ.get("RAY_HEAD_WAIT_S", str(DEFAULT_HEAD_WAIT_S))
     if not wait.isdigit() or int(wait) < 1:
         raise _invalid(f"RAY_HEAD_WAIT_S={wait!r} is not a number of seconds >= 1")
+    cpu_workers = environ.get("RAY_CPU_WORKERS", "0")
+    if not cpu_workers.isdigit():
+        raise _invalid(f"RAY_CPU_WORKERS={cpu_workers!r} is not a count >= 0")
     head = environ.get("RAY_HEAD_ADDRESS", "")
     if head and (any(c.isspace() for c in head) or ":" in head):
         raise _invalid(f"RAY_HEAD_ADDRESS={head!r} is not a host name or IPv4 address")
@@ -115,6 +120,24 @@ def settings(environ: Mapping[str, str]) -> dict[str, Any]:
         "head_address": head,
         "node_ip": environ.get("RAY_NODE_IP", ""),
         "head_wait_s": int(wait),
+        "cpu_workers": int(cpu_workers),
+    }
+
+
+def with_cpu_workers(res: Mapping[str, Any], cpu_workers: int) -> dict[str, Any]:
+    """A node without GPUs that offers the cpu profile's worker slots.
+
+    verl places each worker in a bundle of one GPU and one ``<device>`` resource
+    (``cpu`` on the cpu profile; oldgpu.patch.compat_cpu): a CPU-only node
+    advertises ``cpu_workers`` of both so that a cpu-profile job (CI, the
+    tests) can place that many workers on it. A node with GPUs ignores it.
+    """
+    if res["num_gpus"] or not cpu_workers:
+        return dict(res)
+    return {
+        **res,
+        "num_gpus": cpu_workers,
+        "resources": {**res["resources"], "cpu": cpu_workers},
     }
 
 
@@ -176,6 +199,7 @@ ENV_KEYS = {
     "head_address": "RAY_HEAD_ADDRESS",
     "node_ip": "RAY_NODE_IP",
     "head_wait_s": "RAY_HEAD_WAIT_S",
+    "cpu_workers": "RAY_CPU_WORKERS",
 }
 
 
@@ -189,7 +213,11 @@ def render_env(values: Mapping[str, Any]) -> str:
     env: dict[str, str] = {}
     for key, name in ENV_KEYS.items():
         value = values.get(key)
-        if value is None or value == "" or (key == "object_store_mib" and value == 0):
+        if (
+            value is None
+            or value == ""
+            or (key in ("object_store_mib", "cpu_workers") and value == 0)
+        ):
             continue
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise _invalid(f"{key}: {value!r} is not a string or a number")
@@ -217,7 +245,10 @@ def run_resources(args: argparse.Namespace) -> Result:
 
 def run_command(args: argparse.Namespace) -> Result:
     conf = settings(os.environ)
-    res = _resources_from_args(args)
+    gpus = detect.detect_from_args(args)["gpus"]
+    res = with_cpu_workers(resources(gpus), conf["cpu_workers"])
+    # The node's venv lock and verl tree, for cluster jobs to compare (oldgpu.fleet).
+    res["resources"] = {**res["resources"], **fleet.labels(fleet.facts(gpus))}
     argv = command(args.role, conf, res)
     doc = {"role": args.role, "argv": argv, **res}
     if args.print0:
