@@ -239,11 +239,12 @@ def test_cpu_job_over_two_workers_and_a_coordinating_head(capsys, host):
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379"
     assert env["RAY_TMPDIR"] == "/var/lib/verl/ray"
     workers = json.loads(env["RAY_JOB_CONFIG_JSON_ENV_VAR"])["runtime_env"]["env_vars"]
-    # The profile's variables and the patched tree reach every worker; this unit's paths do not.
+    # The profile's variables, the patched tree and the job's paths reach every worker.
     assert workers["PYTHONPATH"] == os.environ["VERL_DIR"]
     assert workers["OLDGPU_COMPUTE_DTYPE"] == env["OLDGPU_COMPUTE_DTYPE"] == "fp32"
     assert workers["HF_HUB_OFFLINE"] == "1"
-    assert "TENSORBOARD_DIR" not in workers and "RAY_ADDRESS" not in workers
+    assert workers["TENSORBOARD_DIR"] == env["TENSORBOARD_DIR"]
+    assert "RAY_ADDRESS" not in workers and "RAY_TMPDIR" not in workers
 
 
 def test_gpu_job_over_two_4xp40_boxes(capsys, host, tmp_path):

@@ -90,6 +90,14 @@ def test_worker_command_joins_the_head_and_a_cpu_node_has_no_gpu():
     assert not any(a.startswith("--temp-dir") for a in argv)  # the head's, from its GCS
 
 
+def test_a_cpu_node_offers_worker_slots_and_a_gpu_node_its_gpus():
+    cpu = raynode.with_cpu_workers(raynode.resources([]), 1)
+    assert (cpu["num_gpus"], cpu["resources"]) == (1, {"cpu": 1})
+    assert raynode.with_cpu_workers(raynode.resources([]), 0)["num_gpus"] == 0
+    p40 = raynode.resources(gpus(TOPO / "4xp40.nvidia-smi.csv"))
+    assert raynode.with_cpu_workers(p40, 1) == p40
+
+
 def test_a_worker_without_a_head_address_is_refused():
     with pytest.raises(EngineError) as err:
         raynode.command("worker", raynode.settings({}), raynode.resources([]))
@@ -130,7 +138,13 @@ def test_command_print0_for_the_start_script(capsys, monkeypatch):
 
 def test_env_file_round_trips_through_the_settings():
     text = raynode.render_env(
-        {"gcs_port": "6379", "head_address": "10.0.0.5", "object_store_mib": 0, "head_wait_s": 30}
+        {
+            "gcs_port": "6379",
+            "head_address": "10.0.0.5",
+            "object_store_mib": "0",
+            "cpu_workers": 0,
+            "head_wait_s": 30,
+        }
     )
     env = dict(re.findall(r"^(RAY_\w+)='([^']*)'$", text, re.M))
     assert env == {"RAY_GCS_PORT": "6379", "RAY_HEAD_ADDRESS": "10.0.0.5", "RAY_HEAD_WAIT_S": "30"}

@@ -216,7 +216,8 @@ def render_env(values: Mapping[str, Any]) -> str:
         if (
             value is None
             or value == ""
-            or (key in ("object_store_mib", "cpu_workers") and value == 0)
+            # 0 for these two: Ray's default, none (Ansible passes "0").
+            or (key in ("object_store_mib", "cpu_workers") and str(value) == "0")
         ):
             continue
         if isinstance(value, bool) or not isinstance(value, (str, int)):

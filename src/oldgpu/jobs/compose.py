@@ -192,12 +192,9 @@ def cluster_environment(job: Job, env: Mapping[str, str]) -> dict[str, str]:
     env (RAY_JOB_CONFIG_JSON_ENV_VAR, which ray.init merges with verl's own; verl
     0.5.0 has no config key for it)."""
     verl_dir = os.environ.get("VERL_DIR", str(paths.VERL_DIR))
-    workers = {
-        k: v
-        for k, v in env.items()
-        # Paths of this host's unit: the workers keep theirs (ray-node's).
-        if k not in ("RAY_TMPDIR", "TENSORBOARD_DIR", "XDG_CACHE_HOME", "HF_HOME")
-    }
+    # The job's state paths are the same on every node (the ray units may write
+    # under the jobs' state directory); Ray's session directory is each node's own.
+    workers = {k: v for k, v in env.items() if k != "RAY_TMPDIR"}
     workers["PYTHONPATH"] = verl_dir
     runtime = {"runtime_env": {"env_vars": dict(sorted(workers.items()))}}
     return {
