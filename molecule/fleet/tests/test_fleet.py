@@ -125,3 +125,64 @@ def test_a_worker_without_its_head_fails_clearly_and_not_faster_than_restartsec(
             "systemctl restart ray-worker.service"
         )
     wait_nodes(host, 3)
+
+
+JOB = "verl-train@smoke.service"
+STATE = "/var/lib/verl/jobs/smoke"
+JOB_STEPS = 2
+JOB_TIMEOUT_S = 900
+# Where the test leaves the job's step lines (for the report).
+STEPS_SEEN = SEEN.with_name("cluster-job-steps.txt")
+
+
+def show(host, unit, *props):
+    out = host.check_output(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props))
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+@pytest.fixture(scope="module")
+def cluster_run(host):
+    """The smoke job with `cluster: ray`, started on the head, run to its end."""
+    wait_nodes(host, 3)
+    cursor = host.check_output("journalctl -n0 --show-cursor -q | sed -n 's/^-- cursor: //p'")
+    host.check_output(f"systemctl start {JOB}")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = show(host, JOB, "ActiveState")
+        if state["ActiveState"] in ("inactive", "failed"):
+            break
+        time.sleep(5)
+    else:
+        pytest.fail(f"{JOB} still {state} after {JOB_TIMEOUT_S} s")
+    journal = host.check_output(f"journalctl -u {JOB} --after-cursor '{cursor}' -o cat --no-pager")
+    return show(host, JOB, "Result", "ExecMainStatus"), journal
+
+
+def test_cluster_job_trains_across_the_two_workers(host, cluster_run):
+    result, journal = cluster_run
+    assert result["Result"] == "success", journal[-6000:]
+    command = next(line for line in journal.splitlines() if line.startswith("verl-train: /"))
+    assert " trainer.nnodes=2" in command and " trainer.n_gpus_per_node=1" in command
+    steps = {int(m.group(1)): m.group(0) for m in re.finditer(r"step:(\d+) - .*", journal)}
+    STEPS_SEEN.write_text("\n".join(steps[k] for k in sorted(steps)) + "\n")
+    assert sorted(steps) == list(range(1, JOB_STEPS + 1)), journal[-6000:]
+    for line in steps.values():
+        assert "actor/pg_loss:" in line and "critic/vf_loss:" in line
+
+
+def test_cluster_job_wrote_its_checkpoint_on_both_workers(host, cluster_run):
+    step = f"{STATE}/checkpoints/global_step_{JOB_STEPS}/actor"
+    shards = []
+    for name in WORKERS:
+        w = worker(name)
+        found = w.check_output(
+            f"ls {step} 2>/dev/null | grep -E '^model_world_size_2_rank_' || true"
+        )
+        shards += found.split()
+        assert found.strip(), f"no checkpoint shard on {name}"
+    assert sorted(shards) == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+    latest = [
+        h.file(f"{STATE}/checkpoints/latest_checkpointed_iteration.txt")
+        for h in (host, *map(worker, WORKERS))
+    ]
+    assert [f.content_string.strip() for f in latest if f.exists] == [str(JOB_STEPS)]
