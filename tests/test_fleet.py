@@ -228,13 +228,25 @@ def test_cpu_job_over_two_workers_and_a_coordinating_head(capsys, host):
     nodes = [node("10.0.0.1", 0, tree=t), node("10.0.0.2", 1, tree=t), node("10.0.0.3", 1, tree=t)]
     (host / "model/config.json").write_text(json.dumps(TINY))
     code, doc = job_command(
-        capsys, host, nodes, [], profile="cpu", prompt_length=128, response_length=16
+        capsys,
+        host,
+        nodes,
+        [],
+        profile="cpu",
+        prompt_length=128,
+        response_length=16,
+        train_batch_size=4,
     )
     assert code == 0, doc
     o = overrides(doc)
     assert (o["trainer.nnodes"], o["trainer.n_gpus_per_node"]) == ("2", "1")
     assert doc["plan"]["inputs"]["gpus"] == 1  # one worker in each node's memory
     assert doc["cluster"] == {"address": "10.0.0.1:6379", "nnodes": 2, "n_gpus_per_node": 1}
+    # verl gives each of the 2 workers half of each mini batch: the micro batches divide it.
+    mini = int(o["actor_rollout_ref.actor.ppo_mini_batch_size"])
+    for key, value in o.items():
+        if key.endswith("micro_batch_size_per_gpu"):
+            assert (mini // 2) % int(value) == 0, (key, value, mini)
     env = doc["environment"]
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379"
     assert env["RAY_TMPDIR"] == "/var/lib/verl/ray"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -155,12 +156,15 @@ def compose(
     world = None if count is None else count * (nnodes if prof["device"] == "cuda" else 1)
     found = planner.plan(plan_inputs(job, prof, memory_mib, model_config, world))
     plan_doc = planner.payload(found)
+    plan_overrides = plan_doc["hydra_overrides"]
+    if cluster is not None and prof["device"] != "cuda":
+        plan_overrides = per_worker_micro_batches(plan_overrides, count * nnodes, job.rollout_n)
     argv = [
         "-m",
         "verl.trainer.main_ppo",
         *merge_overrides(
             prof["hydra_overrides"],
-            plan_doc["hydra_overrides"],
+            plan_overrides,
             job_overrides(job, paths, count, nnodes),
             recipe.overrides(job, prof),
             job.overrides,
@@ -184,6 +188,26 @@ def compose(
         "cluster": None if cluster is None else {"address": job.cluster_address, **cluster},
         "environment": env,
     }
+
+
+def per_worker_micro_batches(overrides: Sequence[str], world: int, rollout_n: int) -> list[str]:
+    """The cpu profile's plan (one worker in one host's memory) for ``world`` workers.
+
+    verl divides each mini batch over the workers and asserts that a worker's
+    share divides by its micro batch: the micro batches become divisors of
+    that share (smaller, so they fit the memory the plan was made for).
+    """
+    values = dict(o.split("=", 1) for o in overrides)
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.endswith("micro_batch_size_per_gpu"):
+            owner = "critic" if key.startswith("critic.") else "actor_rollout_ref.actor"
+            mini = int(values.get(f"{owner}.ppo_mini_batch_size", value))
+            share = max(1, mini * rollout_n // world)  # verl: mini x n / workers
+            item = f"{key}={math.gcd(int(value), share)}"
+        out.append(item)
+    return out
 
 
 def cluster_environment(job: Job, env: Mapping[str, str]) -> dict[str, str]:
