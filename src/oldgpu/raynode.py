@@ -171,15 +171,17 @@ def wait_for_head(
     address: str, port: int, timeout_s: float, *, interval_s: float = 2.0, clock=time.monotonic
 ) -> float:
     """Seconds until the head's GCS port took a connection; a named error after ``timeout_s``."""
-    start = clock()
+    deadline = clock() + timeout_s
     last_error = "no answer"
     while True:
         try:
-            with socket.create_connection((address, port), timeout=min(5.0, timeout_s)):
-                return clock() - start
+            wait = min(5.0, max(0.1, deadline - clock()))
+            with socket.create_connection((address, port), timeout=wait):
+                return timeout_s - (deadline - clock())
         except OSError as exc:
             last_error = exc.strerror or str(exc)
-        if clock() - start + interval_s > timeout_s:
+        remaining = deadline - clock()
+        if remaining <= 0:
             raise EngineError(
                 "ray-head-unreachable",
                 f"the Ray head at {address}:{port} did not answer within {timeout_s:g} s "
@@ -187,7 +189,7 @@ def wait_for_head(
                 f"between the nodes? systemd tries again after RestartSec",
                 code=EXIT_HEAD_UNREACHABLE,
             )
-        time.sleep(interval_s)
+        time.sleep(min(interval_s, remaining))
 
 
 # The role's and the NixOS module's settings -> the env file's variables.
