@@ -10,7 +10,9 @@ export PATH := $(VENV)/bin:$(PATH)
 export OLDGPU_CACHE ?= /var/cache/oldgpu
 export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
-SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
+# fleet (three hosts, a Ray cluster) is not in make test yet: its converge builds three
+# venvs (about 30 minutes on 2 cores), over the CI budget; run it with SCENARIOS=fleet.
+SCENARIOS ?= $(filter-out fleet,$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
 .PHONY: help host-packages bootstrap image lint unit nix molecule test demo demo-destroy lock clean
 

@@ -167,6 +167,17 @@ def test_branch_pins(rendered, host):
         assert all(str(branch) in p or host == "bookworm" for p in packages)
 
 
+@pytest.mark.parametrize("host", HOSTS)
+def test_exact_version_pin(rendered, host):
+    text = (rendered / f"{host}-exact.pref").read_text()
+    stanza = dict(
+        line.split(": ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    # Exactly 535.216.01, whatever the distribution's revision (-1~deb12u1, -0ubuntu0.22.04.1).
+    assert stanza["Pin"] == "version 535.216.01-*"
+    assert stanza["Pin-Priority"] == "1001"
+
+
 def test_debian_sets(rendered):
     d = decided(rendered, "bookworm")
     assert (d["os_branches"], d["os_flavours"], d["os_sources"]) == (

@@ -473,3 +473,40 @@ def test_system_python_runs_status_in_the_venv(host):
     )
     assert proc.returncode == 2 and "python-package-missing" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_cluster_job_shows_its_cluster(tmp_path):
+    where = make_job(tmp_path, "dist")
+    job = jobs.job_from_mapping(
+        {
+            "name": "dist",
+            "model_path": "/srv/m",
+            "train_files": "/srv/t.parquet",
+            "val_files": "/srv/v.parquet",
+            "total_steps": 10,
+            "cluster": "ray",
+            "cluster_address": "10.0.0.1:6379",
+            "cluster_nodes": 3,
+        }
+    )
+    (where["jobs_dir"] / "dist.env").write_text(jobs.render_env(job))
+    (doc,) = collect(where)
+    assert doc["cluster"] == {
+        "name": "ray",
+        "address": "10.0.0.1:6379",
+        "nodes": 3,
+        "nnodes": None,
+        "n_gpus_per_node": None,
+    }
+    # The start wrote its plan: the shape the live cluster gave.
+    plan = {"cluster": {"address": "10.0.0.1:6379", "nnodes": 2, "n_gpus_per_node": 1}}
+    (where["state"] / "plan.json").write_text(json.dumps(plan))
+    (doc,) = collect(where)
+    assert (doc["cluster"]["nnodes"], doc["cluster"]["n_gpus_per_node"]) == (2, 1)
+    lines = status.render_text([doc]).splitlines()
+    assert lines[1].startswith("dist@ray ")
+    assert any("cluster ray at 10.0.0.1:6379 (3 host(s) in the inventory): 2 node(s) x 1" in x
+               for x in lines)  # fmt: skip
+    # A job on this host only has no cluster.
+    (local,) = collect(make_job(tmp_path / "b"))
+    assert local["cluster"] is None

@@ -33,6 +33,8 @@ COMMAND_MODULES = (
     "oldgpu.venv",
     "oldgpu.switch",
     "oldgpu.paths",
+    "oldgpu.raynode",
+    "oldgpu.fleet",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's

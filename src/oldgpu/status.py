@@ -18,6 +18,7 @@ writes replace the earlier ones (TensorBoard's orphaned-data rule).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -333,6 +334,26 @@ def job_paths(name: str, job: jobs.Job | None, state_root: Path) -> dict[str, Pa
     }
 
 
+def cluster_of(job: jobs.Job | None, state: Path) -> dict[str, Any] | None:
+    """A cluster job's cluster: its settings, and the shape its last start chose (plan.json)."""
+    if job is None or not job.cluster:
+        return None
+    out: dict[str, Any] = {
+        "name": job.cluster,
+        "address": job.cluster_address,
+        "nodes": job.cluster_nodes,
+        "nnodes": None,
+        "n_gpus_per_node": None,
+    }
+    try:
+        planned = json.loads((state / "plan.json").read_text(encoding="utf-8")).get("cluster")
+    except (OSError, ValueError, AttributeError):
+        planned = None
+    if isinstance(planned, dict):
+        out.update({k: planned.get(k) for k in ("nnodes", "n_gpus_per_node")})
+    return out
+
+
 def job_status(
     name: str,
     *,
@@ -364,8 +385,21 @@ def job_status(
     if unit.get("error"):
         notes.append(f"unit: {unit['error']}")
     log = log_dir / f"{name}.log"
+    cluster = cluster_of(job, paths["state"])
+    if cluster:
+        shape = (
+            f"{cluster['nnodes']} node(s) x {cluster['n_gpus_per_node']} GPU(s)"
+            if cluster.get("nnodes")
+            else "not started yet"
+        )
+        notes.append(
+            f"cluster {cluster['name']} at {cluster['address']} "
+            f"({cluster['nodes']} host(s) in the inventory): {shape}; its metrics and "
+            "checkpoint marker are on the node that runs verl's trainer"
+        )
     return {
         "name": name,
+        "cluster": cluster,
         "unit": unit,
         "total_steps": total,
         "state_dir": str(paths["state"]),
@@ -431,8 +465,10 @@ def row(doc: Mapping[str, Any]) -> dict[str, str]:
             if ckpt["exists"]
             else f"{ckpt['step']} (missing)"
         )
+    cluster = doc.get("cluster")
     return {
-        "JOB": doc["name"],
+        # A cluster job: the name and its cluster's.
+        "JOB": doc["name"] + (f"@{cluster['name']}" if cluster else ""),
         "UNIT": doc["unit"]["summary"],
         "STEP": f"{step}/{total if total else '?'}",
         "STEPS/H": "-" if m["steps_per_hour"] is None else f"{m['steps_per_hour']:.1f}",

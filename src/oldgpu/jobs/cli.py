@@ -131,6 +131,11 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     recorded.add_argument(
         "--ib-dir", metavar="DIR", default=topology.IB_DIR, help=f"default {topology.IB_DIR}"
     )
+    recorded.add_argument(
+        "--cluster-nodes-file",
+        metavar="FILE",
+        help="a cluster job: ray.nodes() as JSON, instead of asking the live cluster",
+    )
     env = subcommand.add(sub, common, "env", run_env, help="render a job's env file from JSON")
     env.add_argument("spec", help="a JSON object with the job's settings, or - for stdin")
     subcommand.add(sub, common, "fields", run_fields, help="the settings a job has")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, devices, profile, recipe, topology
+from oldgpu import detect, devices, fleet, paths, profile, recipe, topology
 from oldgpu import plan as planner
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
@@ -101,7 +103,9 @@ def merge_overrides(*groups: Iterable[str]) -> list[str]:
     return list(merged.values())
 
 
-def job_overrides(job: Job, paths: Mapping[str, Path], gpus: int | None = None) -> list[str]:
+def job_overrides(
+    job: Job, paths: Mapping[str, Path], gpus: int | None = None, nnodes: int = 1
+) -> list[str]:
     """What the job itself decides: data, model, schedule, logging, resume."""
     critic = []
     if recipe.uses_critic(job.algorithm):
@@ -121,7 +125,7 @@ def job_overrides(job: Job, paths: Mapping[str, Path], gpus: int | None = None) 
         f"trainer.total_epochs={job.total_steps}",
         f"trainer.save_freq={job.save_freq}",
         f"trainer.test_freq={job.test_freq}",
-        "trainer.nnodes=1",
+        f"trainer.nnodes={nnodes}",
         f"trainer.n_gpus_per_node={_gpu_count(job) if gpus is None else gpus}",
         "trainer.project_name=verl",
         f"trainer.experiment_name={job.name}",
@@ -141,6 +145,7 @@ def compose(
     environ: Mapping[str, str] | None = None,
     cards: Sequence[int] | None = None,
     nccl: Mapping[str, str] | None = None,
+    cluster: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The planner's choice and verl's argv for this job on this profile.
 
@@ -148,22 +153,40 @@ def compose(
     ``n_gpus_per_node`` and the planner's ``gpus``, and the job sees only them.
     None (the cpu profile, or a caller without the host's facts): the job's own
     count, and no CUDA variables. ``nccl`` is the topology's NCCL settings.
+    ``cluster`` (``fleet.check_cluster``'s nnodes and n_gpus_per_node): the job
+    joins the Ray cluster at ``job.cluster_address``; FSDP shards over all its GPUs.
     """
     paths = job.paths(environ)
     count = None if cards is None else len(cards)
-    found = planner.plan(plan_inputs(job, prof, memory_mib, model_config, count))
+    nnodes = 1
+    if cluster is not None:
+        nnodes, count = cluster["nnodes"], cluster["n_gpus_per_node"]
+    # FSDP shards over every GPU of every node. The cpu profile plans one worker
+    # in one host's memory: each node has its own.
+    world = None if count is None else count * (nnodes if prof["device"] == "cuda" else 1)
+    found = planner.plan(plan_inputs(job, prof, memory_mib, model_config, world))
     plan_doc = planner.payload(found)
+    plan_overrides = plan_doc["hydra_overrides"]
+    if cluster is not None and prof["device"] != "cuda":
+        plan_overrides = per_worker_micro_batches(plan_overrides, count * nnodes, job.rollout_n)
     argv = [
         "-m",
         "verl.trainer.main_ppo",
         *merge_overrides(
             prof["hydra_overrides"],
-            plan_doc["hydra_overrides"],
-            job_overrides(job, paths, count),
+            plan_overrides,
+            job_overrides(job, paths, count, nnodes),
             recipe.overrides(job, prof),
             job.overrides,
         ),
     ]
+    env = {
+        **environment(job, prof, paths),
+        **({} if cards is None else devices.visible_devices_env(cards)),
+        **(nccl or {}),
+    }
+    if cluster is not None:
+        env = cluster_environment(job, env)
     return {
         "job": job.name,
         "profile": prof["name"],
@@ -172,11 +195,48 @@ def compose(
         "plan": plan_doc,
         "argv": argv,
         "devices": None if cards is None else list(cards),
-        "environment": {
-            **environment(job, prof, paths),
-            **({} if cards is None else devices.visible_devices_env(cards)),
-            **(nccl or {}),
-        },
+        "cluster": None if cluster is None else {"address": job.cluster_address, **cluster},
+        "environment": env,
+    }
+
+
+def per_worker_micro_batches(overrides: Sequence[str], world: int, rollout_n: int) -> list[str]:
+    """The cpu profile's plan (one worker in one host's memory) for ``world`` workers.
+
+    verl divides each mini batch over the workers and asserts that a worker's
+    share divides by its micro batch: the micro batches become divisors of
+    that share (smaller, so they fit the memory the plan was made for).
+    """
+    values = dict(o.split("=", 1) for o in overrides)
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.endswith("micro_batch_size_per_gpu"):
+            owner = "critic" if key.startswith("critic.") else "actor_rollout_ref.actor"
+            mini = int(values.get(f"{owner}.ppo_mini_batch_size", value))
+            share = max(1, mini * rollout_n // world)  # verl: mini x n / workers
+            item = f"{key}={math.gcd(int(value), share)}"
+        out.append(item)
+    return out
+
+
+def cluster_environment(job: Job, env: Mapping[str, str]) -> dict[str, str]:
+    """A cluster job's environment: verl's ray.init joins the cluster (RAY_ADDRESS), and
+    Ray hands the job's variables to every worker on every node as the job's runtime
+    env (RAY_JOB_CONFIG_JSON_ENV_VAR, which ray.init merges with verl's own; verl
+    0.5.0 has no config key for it)."""
+    verl_dir = os.environ.get("VERL_DIR", str(paths.VERL_DIR))
+    # The job's state paths are the same on every node (the ray units may write
+    # under the jobs' state directory); Ray's session directory is each node's own.
+    workers = {k: v for k, v in env.items() if k != "RAY_TMPDIR"}
+    workers["PYTHONPATH"] = verl_dir
+    runtime = {"runtime_env": {"env_vars": dict(sorted(workers.items()))}}
+    return {
+        **env,
+        # The driver attaches to the head's session (ray-head.service's --temp-dir).
+        "RAY_TMPDIR": str(paths.DATA_DIR / "ray"),
+        "RAY_ADDRESS": job.cluster_address,
+        "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(runtime, separators=(",", ":")),
     }
 
 
@@ -241,6 +301,7 @@ def compose_for_host(
     args = args or argparse.Namespace()
     cards: list[int] | None = None
     nccl: dict[str, str] = {}
+    cluster: dict[str, int] | None = None
     try:
         if job.profile == "cpu":
             gpus: list[Mapping[str, Any]] = []
@@ -249,7 +310,28 @@ def compose_for_host(
         prof = resolve_profile(job, gpus)
         if prof["device"] == "cuda" and not gpus:
             raise invalid(f"profile {prof['name']} needs a GPU and none was detected")
-        if prof["device"] == "cuda":
+        if job.cluster:
+            # The live cluster, checked before verl starts: its nodes, their GPUs,
+            # and that every node runs this host's tree and lock.
+            recorded = getattr(args, "cluster_nodes_file", None)
+            live = fleet.read_nodes(recorded) if recorded else fleet.live_nodes(job.cluster_address)
+            per_node = None if job.gpus == "all" else int(job.gpus)
+            cluster = fleet.check_cluster(live, per_node, job.cluster_nodes, fleet.facts(gpus))
+            if prof["device"] == "cuda":
+                # This host's cards of the job's count: the profile, memory and
+                # NCCL's settings (the nodes are boxes of one kind: equal counts,
+                # checked above). Ray gives each worker its card on its node.
+                local = devices.choose_devices(
+                    gpus,
+                    devices.gpu_profiles(gpus),
+                    cluster["n_gpus_per_node"],
+                    list(job.devices) or None,
+                    profile=job.profile or None,
+                )
+                gpus = [g for g in gpus if g["index"] in local]
+                if len(local) > 1:
+                    nccl = _nccl_env(local, args)
+        elif prof["device"] == "cuda":
             cards = devices.choose_devices(
                 gpus,
                 devices.gpu_profiles(gpus),
@@ -265,9 +347,11 @@ def compose_for_host(
         for key in ("train_files", "val_files"):
             if not Path(getattr(job, key)).exists():
                 raise invalid(f"{key}: {getattr(job, key)} does not exist")
-        return compose(job, prof, _memory_mib(prof, gpus), _model_config(job), environ, cards, nccl)
+        return compose(
+            job, prof, _memory_mib(prof, gpus), _model_config(job), environ, cards, nccl, cluster
+        )
     except EngineError as exc:
-        if exc.code == CONFIG_INVALID or exc.name.startswith("topology-"):
+        if exc.code == CONFIG_INVALID or exc.name.startswith(("topology-", "ray-head")):
             raise
         # The planner refusing (does not fit), or the host lacking the cards the job
         # asks for, is a config error too: restarting won't help.

@@ -72,6 +72,9 @@ FIELDS: tuple[Field, ...] = (
     Field("rollout", "str", "", "hf or vllm instead of the profile's rollout (empty: the profile's)"),  # noqa: E501
     Field("compute_dtype", "str", "", "fp32 instead of the profile's dtype (empty: the profile's)"),
     Field("overrides", "list", [], "extra Hydra overrides, applied last"),
+    Field("cluster", "str", "", "run on this Ray cluster (ray_cluster_name) instead of a private Ray on this host"),  # noqa: E501
+    Field("cluster_address", "str", "", "the cluster head's host:port (the verl_jobs role fills it in)"),  # noqa: E501
+    Field("cluster_nodes", "int", 0, "the cluster's hosts in the inventory (the verl_jobs role fills it in)"),  # noqa: E501
     Field("enabled", "bool", True, "start the job at boot"),
 )
 # fmt: on
@@ -116,6 +119,9 @@ class Job:
     rollout: str
     compute_dtype: str
     overrides: tuple[str, ...]
+    cluster: str = ""
+    cluster_address: str = ""
+    cluster_nodes: int = 0
 
     # Where its state lives: systemd's StateDirectory= (STATE_DIRECTORY), else the default.
     def state_dir(self, environ: Mapping[str, str] | None = None) -> Path:
@@ -211,9 +217,30 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             profile.with_choices(prof, out["rollout"], out["compute_dtype"])
         except EngineError as exc:
             raise invalid(f"profile: {exc.message}") from None
+    _check_cluster(out)
     for problem in recipe.problems(out):
         raise invalid(problem)
     return Job(**out)
+
+
+CLUSTER_ADDRESS_RE = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
+
+
+def _check_cluster(out: Mapping[str, Any]) -> None:
+    """A cluster job names its cluster, its head's address and its node count; others none."""
+    if not out["cluster"]:
+        if out["cluster_address"] or out["cluster_nodes"]:
+            raise invalid("cluster_address and cluster_nodes belong to a job with a cluster")
+        return
+    if not NAME_RE.match(out["cluster"]):
+        raise invalid(f"cluster: {out['cluster']!r} must be 1-32 of a-z 0-9 _ -")
+    if not CLUSTER_ADDRESS_RE.match(out["cluster_address"]):
+        raise invalid(
+            f"cluster_address: {out['cluster_address']!r} is not host:port (the verl_jobs role "
+            "fills it in from the inventory's ray_head group)"
+        )
+    if out["cluster_nodes"] < 1:
+        raise invalid("cluster_nodes: a cluster has at least one node")
 
 
 # systemd's ProtectHome= hides these from the unit (the job's model and data must not be there).
