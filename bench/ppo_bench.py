@@ -131,6 +131,7 @@ LEARN = (
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={half}",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch}",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={batch}",
+    "critic.ppo_mini_batch_size={half}",
     "critic.ppo_micro_batch_size_per_gpu={half}",
     "actor_rollout_ref.actor.optim.lr=1e-4",
     "critic.optim.lr=1e-4",
@@ -139,8 +140,7 @@ LEARN = (
     "custom_reward_function.path={reward}",
     "custom_reward_function.name=compute_score",
 )
-# Issue 14's recipe fields (another change adds them to jobs.FIELDS; until then these
-# settings say what they lack). n and the LoRA numbers are verl's GRPO/LoRA examples'.
+# GRPO's job fields; n and the LoRA numbers are verl's GRPO/LoRA examples'.
 GRPO = {"algorithm": "grpo", "rollout_n": 4, "kl_loss_coef": 0.001}
 # fp16 against fp32 on the volta profile (a 32 GB V100's plan, its guard's cap). The
 # HF rollout: vLLM 0.8.x needs torch 2.6, not the lent machine's. One batch for both
