@@ -222,6 +222,26 @@ def _switch(rng: random.Random, root: Path) -> list[str]:
     return ["switch", "--check", "--keep", _number(rng), str(root / "link"), str(root / "target")]
 
 
+def _fleet_drift(rng: random.Random, root: Path) -> list[str]:
+    same = {"driver": "580.65.06", "lock": "a" * 16, "tree": "b" * 16, "gpus": 4}
+    seed = {"p40-01": same, "p40-02": {**same, "driver": "580.82.07"}}
+    data = _json(rng, seed) if rng.random() < 0.85 else _bytes(rng, json.dumps(seed))
+    name = rng.choice(["facts.json", "missing.json"])
+    path = _file(root, "facts.json", data)
+    return ["fleet", "drift", path if name == "facts.json" else str(root / name)]
+
+
+def _ray_node_env(rng: random.Random, root: Path) -> list[str]:
+    seed = {
+        "gcs_port": 6379,
+        "head_address": "10.0.0.5",
+        "object_store_mib": 300,
+        "head_wait_s": 60,
+    }
+    data = _json(rng, seed) if rng.random() < 0.85 else _bytes(rng, json.dumps(seed))
+    return ["ray-node", "env", _file(root, "ray.json", data)]
+
+
 TARGETS = (
     Target("detect-nvidia-smi", 300, _smi),
     Target("detect-lspci", 200, _lspci),
@@ -236,6 +256,8 @@ TARGETS = (
     Target("job-command", 100, _job_command),
     Target("guard-env", 100, _guard),
     Target("switch", 100, _switch),
+    Target("fleet-drift", 150, _fleet_drift),
+    Target("ray-node-env", 150, _ray_node_env),
 )
 
 

@@ -17,14 +17,13 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from oldgpu import detect, paths, subcommand
-from oldgpu.output import EngineError, Result
+from oldgpu.output import EngineError, Result, read_json
 
 MANIFEST_NAME = ".oldgpu-patch.json"  # oldgpu.patch.manifest's; not imported: stdlib only
 LOCK_PREFIX, TREE_PREFIX = "oldgpu_lock_", "oldgpu_tree_"
@@ -218,14 +217,16 @@ def run_facts(args: argparse.Namespace) -> Result:
 
 
 def run_drift(args: argparse.Namespace) -> Result:
-    source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
-    with source:
-        try:
-            hosts = json.load(source)
-        except ValueError as exc:
-            raise _error("fleet-facts-invalid", f"not JSON: {exc}") from None
+    hosts = read_json(args.file, "fleet-facts-invalid", "the fleet's facts", code=CONFIG_INVALID)
     if not isinstance(hosts, dict) or not all(isinstance(v, dict) for v in hosts.values()):
         raise _error("fleet-facts-invalid", "expected {host: {driver, lock, tree, ...}}")
+    for host, facts_ in hosts.items():
+        for key in DRIFT_KEYS:
+            if isinstance(facts_.get(key), (dict, list)):
+                raise _error(
+                    "fleet-facts-invalid",
+                    f"{host}: {key} is a {type(facts_[key]).__name__}, not a value",
+                )
     doc = drift(hosts)
     lines = [
         f"{h}: " + (", ".join(f"{k} {hosts[h].get(k)}" for k in keys) or "as the fleet")

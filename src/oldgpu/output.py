@@ -44,3 +44,24 @@ class EngineError(RuntimeError):
 
     def as_dict(self) -> dict[str, Any]:
         return {"error": self.name, "message": self.message}
+
+
+def read_json(name: str, error: str, what: str, *, code: int = 4) -> Any:
+    """The JSON document in file ``name`` (``-``: standard input).
+
+    A file that cannot be read, is not UTF-8 or is not JSON is the named error
+    ``error`` about ``what``, never a traceback.
+    """
+    try:
+        if name == "-":
+            return json.load(sys.stdin)
+        with open(name, encoding="utf-8") as source:
+            return json.load(source)
+    except OSError as exc:
+        raise EngineError(
+            error, f"cannot read {what} from {name}: {exc.strerror}", code=code
+        ) from None
+    except ValueError as exc:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
+        raise EngineError(error, f"{what} ({name}): not JSON: {exc}", code=code) from None
+    except RecursionError:  # "[[[[…": json's decoder recurses once per level
+        raise EngineError(error, f"{what} ({name}): nested too deeply", code=code) from None

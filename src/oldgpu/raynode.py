@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from oldgpu import detect, fleet, paths, subcommand
-from oldgpu.output import EngineError, Result
+from oldgpu.output import EngineError, Result, read_json
 
 # Ray's session files: one fixed place for the head, its workers and a job's
 # driver (ray.init on the head reads the head's sockets from it).
@@ -272,12 +272,7 @@ def run_wait_head(args: argparse.Namespace) -> Result:
 
 
 def run_env(args: argparse.Namespace) -> Result:
-    source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
-    with source:
-        try:
-            values = json.load(source)
-        except ValueError as exc:
-            raise _invalid(f"the settings are not JSON: {exc}") from None
+    values = read_json(args.file, "ray-node-config-invalid", "the settings")
     text = render_env(values)
     return Result({"env": text}, text)
 

@@ -23,8 +23,8 @@ from oldgpu.jobs.settings import (
     invalid,
     job_from_env,
     job_from_mapping,
+    load_env_file,
     load_job,
-    parse_env,
     render_env,
 )
 from oldgpu.output import Result
@@ -32,14 +32,7 @@ from oldgpu.output import Result
 
 def _read_job(args: argparse.Namespace) -> Job:
     if args.env_file:
-        path = Path(args.env_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise invalid(f"cannot read {path}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise invalid(f"{path}: not UTF-8 text ({exc.reason})") from None
-        return job_from_env(parse_env(text, str(path)))
+        return load_env_file(Path(args.env_file))
     if args.name:
         return load_job(args.name, Path(args.jobs_dir))
     return job_from_env(os.environ)

@@ -364,7 +364,11 @@ def job_from_env(env: Mapping[str, str]) -> Job:
 
 
 def load_job(name: str, jobs_dir: Path = JOBS_DIR) -> Job:
-    path = jobs_dir / f"{name}.env"
+    return load_env_file(jobs_dir / f"{name}.env")
+
+
+def load_env_file(path: Path) -> Job:
+    """The job an env file declares; an unreadable or non-UTF-8 file is a named error."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
