@@ -325,36 +325,22 @@ def projections(run: dict[str, Any], r: dict[str, Any]) -> dict[str, Any] | None
         return None
     h200, p40 = project(run, r, H200), project(run, r, P40)
     environment = (run.get("composed") or {}).get("environment") or {}
-    if str((run.get("composed") or {}).get("profile", "")).startswith("volta"):
-        v100 = project(run, r, V100)
-        return {
-            "label": "projection (a model, not a measurement)",
-            "assumptions": {
-                "flops_efficiency": FLOPS_EFFICIENCY,
-                "bandwidth_efficiency": BW_EFFICIENCY,
-                "h200": H200,
-                "v100": V100,
-                "compute_dtype": environment.get("OLDGPU_COMPUTE_DTYPE"),
-                "params": run["assets"]["params"],
-            },
-            "h200_model": h200,
-            "h200_measured_over_model": round(r["s_per_step"] / h200["s_per_step"], 3),
-            "v100": v100,
-            "v100_over_h200_model": round(v100["s_per_step"] / h200["s_per_step"], 2),
-        }
+    # A volta run is projected to a V100 (with its compute dtype), any other to a P40.
+    volta = str((run.get("composed") or {}).get("profile", "")).startswith("volta")
+    card, spec = ("v100", V100) if volta else ("p40", P40)
+    target = project(run, r, spec) if volta else p40
+    assumptions = {"flops_efficiency": FLOPS_EFFICIENCY, "bandwidth_efficiency": BW_EFFICIENCY}
+    assumptions.update({"h200": H200, card: spec})
+    if volta:
+        assumptions["compute_dtype"] = environment.get("OLDGPU_COMPUTE_DTYPE")
+    assumptions["params"] = run["assets"]["params"]
     return {
         "label": "projection (a model, not a measurement)",
-        "assumptions": {
-            "flops_efficiency": FLOPS_EFFICIENCY,
-            "bandwidth_efficiency": BW_EFFICIENCY,
-            "h200": H200,
-            "p40": P40,
-            "params": run["assets"]["params"],
-        },
+        "assumptions": assumptions,
         "h200_model": h200,
         "h200_measured_over_model": round(r["s_per_step"] / h200["s_per_step"], 3),
-        "p40": p40,
-        "p40_over_h200_model": round(p40["s_per_step"] / h200["s_per_step"], 2),
+        card: target,
+        f"{card}_over_h200_model": round(target["s_per_step"] / h200["s_per_step"], 2),
     }
 
 
