@@ -139,17 +139,15 @@ def test_sigkill_restarts_and_resumes_from_the_last_complete_checkpoint(kill_sto
     assert steps and steps[0] == last + 1, text[-3000:]
 
 
-# Known defect, seen in CI (2026-12-03): the stop took 303.5 s, i.e. systemd's
-# TimeoutStopSec ran out and it killed the job; the start script's wait for the save, or
-# the cgroup's stop (a `tee` left in it), needs work. Kept running, so a fix shows.
-@pytest.mark.xfail(reason="stop in a save hit TimeoutStopSec (303.5 s) in CI", strict=False)
+# (CI saw 303.5 s before verl-train reaped Ray's processes itself: with KillMode=mixed
+# systemd signals only the main process, the rest waited for TimeoutStopSec.)
 def test_stop_during_a_save_completes_it_within_timeoutstopsec(host, kill_stop_resume):
     assert show(host, "TimeoutStopUSec")["TimeoutStopUSec"] == "5min"
     run = kill_stop_resume
     newest, tracker, data = run["at_stop"]
     text = run["after_kill"]  # from the kill to the stop
     print(f"stop in the save after step {run['stop'][0]}: {run['stop_s']:.1f} s; newest {newest}")
-    assert run["stop_s"] < 300
+    assert run["stop_s"] < 60, run["stop_s"]  # the save, verl's exit, Ray's reaped
     assert "stopped on request" in text, text[-3000:]
     # The save the stop came in was finished, not left half-written.
     assert int(newest) == int(run["stop"][0]) + 1, (newest, run["stop"])
@@ -270,10 +268,6 @@ DF_CKPT = f"{DF_STATE}/checkpoints"
 FILLER = f"{DF_STATE}/filler"
 
 
-# Known gap, seen in CI (2026-12-03): the job failed with exit-code on the full disk as
-# expected, but torch reports it as "PytorchStreamWriter failed writing file", not ENOSPC,
-# and the resume half of this test has not run to the end yet.
-@pytest.mark.xfail(reason="the resume after a full disk has not run to the end", strict=False)
 def test_disk_full_fails_cleanly_and_resumes_from_the_last_complete_checkpoint(host):
     """The job's state directory is a 512 MiB tmpfs (molecule.yml); a filler leaves room
     for one checkpoint and a half, so the second save runs out of space."""
