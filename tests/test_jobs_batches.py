@@ -30,7 +30,7 @@ def with_(*items: str) -> list[str]:
 def refused(argv: list[str]) -> str:
     with pytest.raises(EngineError) as err:
         batches.check("gsm8k", argv)
-    assert err.value.code == jobs.CONFIG_INVALID and err.value.error == "job-config-invalid"
+    assert err.value.code == jobs.CONFIG_INVALID and err.value.name == "job-config-invalid"
     assert "job gsm8k" in err.value.message
     return err.value.message
 
@@ -88,7 +88,7 @@ def test_the_planners_own_choices_always_pass(job_dir):
     for gpus in (1, 2, 4, 8):
         for n in (1, 4):
             job = jobs.job_from_mapping(
-                spec(job_dir, profile="pascal-6.1", gpus=gpus, algorithm="grpo" if n > 1 else "ppo",
+                spec(job_dir, profile="pascal-6.1", gpus=gpus, algorithm="grpo" if n > 1 else "gae",
                      rollout_n=n)
             )  # fmt: skip
             jobs.compose(job, jobs.resolve_profile(job, []), 24576, QWEN05B_CONFIG, environ={})

@@ -167,14 +167,31 @@ def test_run_after_the_stop_resumes_and_finishes(host, kill_stop_resume):
         assert host.file(f"{CKPT}/global_step_{step}/data.pt").exists, step
 
 
-def test_configuration_error_does_not_restart_and_the_journal_says_why(host):
+# (what the env file gets, what the journal must say): a field the engine refuses, and
+# overrides that break a rule verl 0.5.0 would assert only in its workers, minutes later.
+CONFIG_ERRORS = {
+    "total-steps": (
+        "s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='zero'/",
+        ["total_steps"],
+    ),
+    "micro-batch": (
+        "s/^VERL_JOB_OVERRIDES=.*/VERL_JOB_OVERRIDES="
+        "'[\\\"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3\\\"]'/",
+        ["job broken", "ppo_micro_batch_size_per_gpu=3", "does not divide"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_configuration_error_does_not_restart_and_the_journal_says_why(host, case):
+    edit, named = CONFIG_ERRORS[case]
     unit = "verl-train@broken.service"
     env = "/etc/verl/jobs/broken.env"
     host.check_output(
-        f"sed -e \"s/^VERL_JOB_NAME=.*/VERL_JOB_NAME='broken'/\""
-        f" -e \"s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='zero'/\" {ENV} > {env}"
+        f"sed -e \"s/^VERL_JOB_NAME=.*/VERL_JOB_NAME='broken'/\" -e \"{edit}\" {ENV} > {env}"
         f" && chown root:verl {env} && chmod 0640 {env}"
     )
+    assert host.file(env).content_string != host.file(ENV).content_string.replace("smoke", "broken")
     # A restart would come 1 s after the failure: 10 s of no restart is a refusal.
     drop_in(host, unit, "RestartSec=1s")
     try:
@@ -186,7 +203,9 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host):
         text = journal(host, since, unit)
         assert state["ExecMainStatus"] == "4", text
         assert state["NRestarts"] == "0" and state["ActiveState"] == "failed", state
-        assert "total_steps" in text and "its settings are invalid" in text, text
+        assert "its settings are invalid" in text, text
+        for word in named:
+            assert word in text, (word, text[-2000:])
         assert "Traceback" not in text
     finally:
         host.run(f"rm -rf {env} /etc/systemd/system/{unit}.d; systemctl daemon-reload;")
