@@ -24,7 +24,8 @@ BASE = [
 
 def with_(*items: str) -> list[str]:
     keys = {i.split("=", 1)[0] for i in items}
-    return ["-m", "verl.trainer.main_ppo", *[b for b in BASE if b.split("=")[0] not in keys], *items]
+    kept = [b for b in BASE if b.split("=")[0] not in keys]
+    return ["-m", "verl.trainer.main_ppo", *kept, *items]
 
 
 def refused(argv: list[str]) -> str:
@@ -53,8 +54,9 @@ def test_the_critic_is_checked_with_gae_only():
 
 def test_rollout_n_multiplies_the_mini_batch_over_the_workers():
     # 32 x 5 / 4 = 40 a worker: micro 8 divides it, micro 16 does not.
-    batches.check("gsm8k", with_("actor_rollout_ref.rollout.n=5", "critic.ppo_micro_batch_size_per_gpu=8"))
-    assert "= 40" in refused(with_("actor_rollout_ref.rollout.n=5", "critic.ppo_micro_batch_size_per_gpu=16"))
+    n5 = "actor_rollout_ref.rollout.n=5"
+    batches.check("gsm8k", with_(n5, "critic.ppo_micro_batch_size_per_gpu=8"))
+    assert "= 40" in refused(with_(n5, "critic.ppo_micro_batch_size_per_gpu=16"))
 
 
 def test_a_step_that_does_not_divide_over_the_workers():
@@ -76,7 +78,11 @@ def test_values_verl_resolves_itself_are_left_to_it():
 
 def test_a_job_whose_overrides_break_the_rule_is_refused_when_composed(job_dir):
     job = jobs.job_from_mapping(
-        spec(job_dir, profile="pascal-6.1", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"])
+        spec(
+            job_dir,
+            profile="pascal-6.1",
+            overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
+        )
     )
     with pytest.raises(EngineError) as err:
         jobs.compose(job, jobs.resolve_profile(job, []), 24576, QWEN05B_CONFIG, environ={})

@@ -188,7 +188,7 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host, cas
     unit = "verl-train@broken.service"
     env = "/etc/verl/jobs/broken.env"
     host.check_output(
-        f"sed -e \"s/^VERL_JOB_NAME=.*/VERL_JOB_NAME='broken'/\" -e \"{edit}\" {ENV} > {env}"
+        f'sed -e "s/^VERL_JOB_NAME=.*/VERL_JOB_NAME=\'broken\'/" -e "{edit}" {ENV} > {env}'
         f" && chown root:verl {env} && chmod 0640 {env}"
     )
     assert host.file(env).content_string != host.file(ENV).content_string.replace("smoke", "broken")
