@@ -149,8 +149,11 @@ def test_stop_during_a_save_completes_it_within_timeoutstopsec(host, kill_stop_r
     print(f"stop in the save after step {run['stop'][0]}: {run['stop_s']:.1f} s; newest {newest}")
     assert run["stop_s"] < 60, run["stop_s"]  # the save, verl's exit, Ray's reaped
     assert "stopped on request" in text, text[-3000:]
-    # The save the stop came in was finished, not left half-written.
-    assert int(newest) == int(run["stop"][0]) + 1, (newest, run["stop"])
+    # The save the stop came in was finished, not left half-written, and the job stopped
+    # there: verl trains in a Ray actor, which must not go on saving steps after the
+    # stop (it saved 8 more before the script froze the unit's processes). One more is
+    # allowed: a save that began while the script looked (a CPU step here is 0.5 s).
+    assert int(newest) - int(run["stop"][0]) in (1, 2), (newest, run["stop"])
     assert tracker == newest and data, (newest, tracker, data, text[-2000:])
 
 
