@@ -30,4 +30,6 @@ def test_every_nvidia_package_is_installed_and_configured(host):
     )
     rows = [r.split() for r in states.splitlines() if r.strip()]
     assert rows, "no nvidia package"
-    assert all(r[0] == "ii" for r in rows), [r for r in rows if r[0] != "ii"]
+    # Status-Abbrev: wanted (i install, h hold), state (i installed), error flag (none).
+    bad = [r for r in rows if r[0][1:] != "i"]
+    assert not bad, bad
