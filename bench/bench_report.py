@@ -239,7 +239,8 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     """A step time on GPU ``hw`` from the run's shape and composed command: a model, not
     a measurement.
 
-    - generation, per decoding step: the weights (4 bytes x params) and the KV cache of
+    - generation, per decoding step: the weights (4 bytes x params; 2 in an fp16 run,
+      whose HF rollout generates with an fp16 copy) and the KV cache of
       the batch's ``batch x rollout.n`` sequences read once at ``bandwidth x
       BW_EFFICIENCY``, or their 2 x params FLOPs at ``fp32 peak x FLOPS_EFFICIENCY``,
       whichever is longer; and never faster than the measured run's time per decoding
@@ -281,9 +282,12 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     pcie = hw["pcie_gbs"] * 1e9
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     head_dim = hidden // config["num_attention_heads"]
-    kv_per_token = 2 * layers * config["num_key_value_heads"] * head_dim * 4
+    # Generation reads the weights and the KV cache once per decoding step: fp16 for an
+    # fp16 run (the HF rollout's fp16 copy of the actor), fp32 otherwise.
+    gen_bytes = 2 if dtype == "fp16" else 4
+    kv_per_token = 2 * layers * config["num_key_value_heads"] * head_dim * gen_bytes
     kv_bytes = seqs * (prompt + response / 2) * kv_per_token  # the mean over decoding
-    decode_step = max((4 * params + kv_bytes) / bw, 2 * params * seqs / flops)
+    decode_step = max((gen_bytes * params + kv_bytes) / bw, 2 * params * seqs / flops)
     host_floor = (r.get("gen_s") or 0) / response
     gen = response * max(decode_step, host_floor)
     forwards = 1 + int(ref) + int(critic)

@@ -399,10 +399,10 @@ def test_recipe_composes_with_verls_own_config(job_dir, verl_pristine, arch):
 
 def test_job_overrides_win_without_repeating_a_key(job_dir):
     doc, _ = compose_for(
-        job_dir, "p40", overrides=["data.train_batch_size=8", "trainer.save_freq=3", "+x.y=1"]
+        job_dir, "p40", overrides=["data.train_batch_size=128", "trainer.save_freq=3", "+x.y=1"]
     )
     o = overrides_of(doc)
-    assert o["data.train_batch_size"] == "8"
+    assert o["data.train_batch_size"] == "128"
     assert o["trainer.save_freq"] == "3"
     assert doc["argv"][-1] == "+x.y=1"
 

@@ -1,4 +1,5 @@
-"""The fp16 patch set (a loss scaler) against the real verl 0.5.0 sdist: fp16 only."""
+"""The fp16 patch set (a loss scaler, the HF rollout on an fp16 copy) against the real
+verl 0.5.0 sdist: fp16 only."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ pytestmark = pytest.mark.slow
 
 DP_ACTOR = "verl/workers/actor/dp_actor.py"
 DP_CRITIC = "verl/workers/critic/dp_critic.py"
+HF_ROLLOUT = "verl/workers/rollout/hf_rollout.py"
+FP16_PATCHES = ("fp16-loss-scaler", "fp16-hf-rollout")
 ROLES = {
     DP_ACTOR: ("DataParallelPPOActor", "update_policy", "actor_optimizer", "actor"),
     DP_CRITIC: ("DataParallelPPOCritic", "update_critic", "critic_optimizer", "critic"),
@@ -49,11 +52,11 @@ def calls(fn: ast.AST) -> list[str]:
 def test_registered_for_fp16_only() -> None:
     for dtype in ("fp32", "bf16"):
         names = {p.name for p in select_patches("0.5.0", Options(compute_dtype=dtype))}
-        assert "fp16-loss-scaler" not in names
+        assert not names & set(FP16_PATCHES)
     cpu = {p.name for p in select_patches("0.5.0", Options(device="cpu"))}
-    assert "fp16-loss-scaler" not in cpu
+    assert not cpu & set(FP16_PATCHES)
     names = {p.name for p in select_patches("0.5.0", Options(compute_dtype="fp16"))}
-    assert "fp16-loss-scaler" in names
+    assert set(FP16_PATCHES) <= names
 
 
 def test_scaler_is_on_the_update_paths_in_order(verl_tree: Path, capsys) -> None:
@@ -79,14 +82,35 @@ def test_scaler_is_on_the_update_paths_in_order(verl_tree: Path, capsys) -> None
     assert 'BAKED_COMPUTE_DTYPE = "fp16"' in compat and "ShardedGradScaler(" in compat
 
 
+def test_hf_rollout_generates_inside_the_fp16_copy(verl_tree: Path, capsys) -> None:
+    code, out = run_cli(capsys, str(verl_tree), "--profile", "volta")
+    assert code == 0
+    (site,) = {p["name"]: p["sites"] for p in out["patches"]}["fp16-hf-rollout"]
+    assert site["file"] == HF_ROLLOUT and site["function"] == "HFRollout.generate_sequences"
+    fn = method(verl_tree, HF_ROLLOUT, "HFRollout", "generate_sequences")
+    (block,) = [s for s in fn.body if isinstance(s, ast.With)]
+    assert ast.unparse(block.items[0].context_expr) == "oldgpu_compat.fp16_rollout(self)"
+    assert [ast.unparse(s) for s in block.body] == [
+        "output = [self._generate_minibatch(p) for p in batch_prompts]"
+    ]
+    # Only the one statement moved: the rest of the method is the original's.
+    assert [ast.unparse(s) for s in fn.body[-2:]] == [
+        "output = DataProto.concat(output)",
+        "return output",
+    ]
+
+
 def test_pascal_and_fp32_trees_have_no_scaler(verl_tree: Path, verl_pristine: Path, capsys) -> None:
     pristine = tree_hashes(verl_pristine)
     code, out = run_cli(capsys, str(verl_tree), "--profile", "pascal")
     assert code == 0 and "fp16-loss-scaler" not in {p["name"] for p in out["patches"]}
+    assert not {p["name"] for p in out["patches"]} & set(FP16_PATCHES)
     for rel, (cls, update, _, _) in ROLES.items():
         assert "loss.backward()" in calls(method(verl_tree, rel, cls, update))
         assert "scaler" not in (verl_tree / rel).read_text()
-    assert "ShardedGradScaler" not in (verl_tree / patcher.COMPAT_REL).read_text()
+    assert "fp16_rollout" not in (verl_tree / HF_ROLLOUT).read_text()
+    compat = (verl_tree / patcher.COMPAT_REL).read_text()
+    assert "ShardedGradScaler" not in compat and "fp16_rollout" not in compat
     run_cli(capsys, str(verl_tree), "--revert")
     assert tree_hashes(verl_tree) == pristine
 
@@ -112,6 +136,22 @@ def test_changed_shape_is_refused(verl_tree: Path, capsys) -> None:
     assert tree_hashes(verl_tree) == before  # all or nothing
 
 
+def test_changed_rollout_shape_is_refused(verl_tree: Path, capsys) -> None:
+    rollout = verl_tree / HF_ROLLOUT
+    text = rollout.read_text()
+    old = "output = [self._generate_minibatch(p) for p in batch_prompts]"
+    assert text.count(old) == 1
+    rollout.write_text(
+        text.replace(old, "output = list(map(self._generate_minibatch, batch_prompts))")
+    )
+    before = tree_hashes(verl_tree)
+    code = cli.main(["patch", str(verl_tree), "--profile", "volta", "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert code == 2 and err["error"] == "site-not-found", err
+    assert "fp16-hf-rollout" in err["message"] and "generate_sequences" in err["message"]
+    assert tree_hashes(verl_tree) == before
+
+
 # The patched _optimizer_step of the real classes, on a tiny CPU model: one overflowing
 # loss (skipped step, scale halved), then a clean one (grads unscaled before the clip).
 RUNTIME_SCRIPT = """
@@ -122,6 +162,10 @@ dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, wor
 from verl.utils import oldgpu_compat
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+hooked = []  # what an observer of optimizer steps (the guard) sees
+register_optimizer_step_post_hook(lambda opt, args, kwargs: hooked.append(type(opt).__name__))
 
 for cls, mod, opt, role in (
     (DataParallelPPOActor, "actor_module", "actor_optimizer", "actor"),
@@ -150,6 +194,7 @@ for cls, mod, opt, role in (
     metrics = {}
     oldgpu_compat.scaler_metrics(worker, metrics, role)
     print(role, float(scaled / loss), metrics)
+print("hooked", hooked)  # the skipped step counts too
 print("ok")
 """
 
@@ -186,4 +231,79 @@ def test_overflow_skips_the_step(
     proc = run_in_tree(verl_tree, script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert [x for x in lines if not x.startswith("WARN")] == [*expected, "ok"], lines
+    hooked = "hooked ['SGD', 'SGD', 'SGD', 'SGD']"
+    assert [x for x in lines if not x.startswith("WARN")] == [*expected, hooked, "ok"], lines
+
+
+# The patched HFRollout.generate_sequences on a tiny FSDP-wrapped Qwen2 on CPU (FSDP's
+# summon and naming as in verl's actor): two minibatches, greedy.
+ROLLOUT_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from verl import DataProto
+from verl.workers.rollout.hf_rollout import HFRollout
+
+torch.cpu.empty_cache = lambda: None  # verl calls it after each minibatch; torch.cpu has none
+torch.manual_seed(0)
+cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  attn_implementation="sdpa")
+model = Qwen2ForCausalLM(cfg)
+reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+actor = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False)
+seen = []
+generate = Qwen2ForCausalLM.generate
+
+def spy(self, *args, **kwargs):
+    params = dict(self.named_parameters())
+    same = all(torch.equal(params[n], p.half()) for n, p in reference.items() if n in params)
+    tied = self.lm_head.weight is self.model.embed_tokens.weight
+    seen.append((id(self), sorted({str(p.dtype) for p in params.values()}), same, tied))
+    return generate(self, *args, **kwargs)
+
+Qwen2ForCausalLM.generate = spy
+conf = OmegaConf.create({"micro_batch_size": 2, "do_sample": False, "temperature": 1.0,
+                         "response_length": 4, "n": 1, "top_k": 0, "top_p": 1.0})
+rollout = HFRollout(actor, conf)
+ids = torch.randint(3, 64, (4, 5))
+batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                    "position_ids": torch.arange(5).expand(4, 5).clone()}, batch_size=4)
+out = rollout.generate_sequences(
+    DataProto(batch=batch, meta_info={"eos_token_id": 1, "pad_token_id": 0})
+)
+print("copies", len({s[0] for s in seen}), "calls", len(seen))
+print("dtypes", sorted({d for s in seen for d in s[1]}))
+print("equal-to-half", all(s[2] for s in seen), "tied", all(s[3] for s in seen))
+print("after", type(rollout.module).__name__, tuple(out.batch["responses"].shape))
+assert all(p.dtype == torch.float32 for p in actor.parameters())
+print("ok")
+"""
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        # fp16: one copy for both minibatches, every weight the actor's cast to fp16.
+        (None, ["copies 1 calls 2", "dtypes ['torch.float16']", "equal-to-half True tied True"]),
+        # fp16 tree run as fp32: the FSDP actor's own fp32 weights, as verl does.
+        ("fp32", ["copies 1 calls 2", "dtypes ['torch.float32']", "equal-to-half False tied True"]),
+    ],
+)
+def test_hf_rollout_runs_on_fp16_copy(
+    verl_tree: Path, tmp_path: Path, capsys, dtype: str | None, expected: list[str]
+) -> None:
+    run_cli(capsys, str(verl_tree), "--profile", "volta")
+    script = ROLLOUT_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "pg")))
+    if dtype:
+        script = f"import os; os.environ['OLDGPU_COMPUTE_DTYPE'] = {dtype!r}\n" + script
+    proc = run_in_tree(verl_tree, script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines == [*expected, "after FullyShardedDataParallel (4, 4)", "ok"], lines

@@ -139,20 +139,21 @@ def test_sigkill_restarts_and_resumes_from_the_last_complete_checkpoint(kill_sto
     assert steps and steps[0] == last + 1, text[-3000:]
 
 
-# Known defect, seen in CI (2026-12-03): the stop took 303.5 s, i.e. systemd's
-# TimeoutStopSec ran out and it killed the job; the start script's wait for the save, or
-# the cgroup's stop (a `tee` left in it), needs work. Kept running, so a fix shows.
-@pytest.mark.xfail(reason="stop in a save hit TimeoutStopSec (303.5 s) in CI", strict=False)
+# (CI saw 303.5 s before verl-train reaped Ray's processes itself: with KillMode=mixed
+# systemd signals only the main process, the rest waited for TimeoutStopSec.)
 def test_stop_during_a_save_completes_it_within_timeoutstopsec(host, kill_stop_resume):
     assert show(host, "TimeoutStopUSec")["TimeoutStopUSec"] == "5min"
     run = kill_stop_resume
     newest, tracker, data = run["at_stop"]
     text = run["after_kill"]  # from the kill to the stop
     print(f"stop in the save after step {run['stop'][0]}: {run['stop_s']:.1f} s; newest {newest}")
-    assert run["stop_s"] < 300
+    assert run["stop_s"] < 60, run["stop_s"]  # the save, verl's exit, Ray's reaped
     assert "stopped on request" in text, text[-3000:]
-    # The save the stop came in was finished, not left half-written.
-    assert int(newest) == int(run["stop"][0]) + 1, (newest, run["stop"])
+    # The save the stop came in was finished, not left half-written, and the job stopped
+    # there: verl trains in a Ray actor, which must not go on saving steps after the
+    # stop (it saved 8 more before the script froze the unit's processes). One more is
+    # allowed: a save that began while the script looked (a CPU step here is 0.5 s).
+    assert int(newest) - int(run["stop"][0]) in (1, 2), (newest, run["stop"])
     assert tracker == newest and data, (newest, tracker, data, text[-2000:])
 
 
@@ -169,14 +170,31 @@ def test_run_after_the_stop_resumes_and_finishes(host, kill_stop_resume):
         assert host.file(f"{CKPT}/global_step_{step}/data.pt").exists, step
 
 
-def test_configuration_error_does_not_restart_and_the_journal_says_why(host):
+# (what the env file gets, what the journal must say): a field the engine refuses, and
+# overrides that break a rule verl 0.5.0 would assert only in its workers, minutes later.
+CONFIG_ERRORS = {
+    "total-steps": (
+        "s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='zero'/",
+        ["total_steps"],
+    ),
+    "micro-batch": (
+        "s/^VERL_JOB_OVERRIDES=.*/VERL_JOB_OVERRIDES="
+        "'[\\\"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3\\\"]'/",
+        ["job broken", "ppo_micro_batch_size_per_gpu=3", "does not divide"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_configuration_error_does_not_restart_and_the_journal_says_why(host, case):
+    edit, named = CONFIG_ERRORS[case]
     unit = "verl-train@broken.service"
     env = "/etc/verl/jobs/broken.env"
     host.check_output(
-        f"sed -e \"s/^VERL_JOB_NAME=.*/VERL_JOB_NAME='broken'/\""
-        f" -e \"s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='zero'/\" {ENV} > {env}"
+        f'sed -e "s/^VERL_JOB_NAME=.*/VERL_JOB_NAME=\'broken\'/" -e "{edit}" {ENV} > {env}'
         f" && chown root:verl {env} && chmod 0640 {env}"
     )
+    assert host.file(env).content_string != host.file(ENV).content_string.replace("smoke", "broken")
     # A restart would come 1 s after the failure: 10 s of no restart is a refusal.
     drop_in(host, unit, "RestartSec=1s")
     try:
@@ -188,7 +206,9 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host):
         text = journal(host, since, unit)
         assert state["ExecMainStatus"] == "4", text
         assert state["NRestarts"] == "0" and state["ActiveState"] == "failed", state
-        assert "total_steps" in text and "its settings are invalid" in text, text
+        assert "its settings are invalid" in text, text
+        for word in named:
+            assert word in text, (word, text[-2000:])
         assert "Traceback" not in text
     finally:
         host.run(f"rm -rf {env} /etc/systemd/system/{unit}.d; systemctl daemon-reload;")
@@ -270,10 +290,6 @@ DF_CKPT = f"{DF_STATE}/checkpoints"
 FILLER = f"{DF_STATE}/filler"
 
 
-# Known gap, seen in CI (2026-12-03): the job failed with exit-code on the full disk as
-# expected, but torch reports it as "PytorchStreamWriter failed writing file", not ENOSPC,
-# and the resume half of this test has not run to the end yet.
-@pytest.mark.xfail(reason="the resume after a full disk has not run to the end", strict=False)
 def test_disk_full_fails_cleanly_and_resumes_from_the_last_complete_checkpoint(host):
     """The job's state directory is a 512 MiB tmpfs (molecule.yml); a filler leaves room
     for one checkpoint and a half, so the second save runs out of space."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from oldgpu import detect, devices, fleet, paths, profile, recipe, topology
 from oldgpu import plan as planner
+from oldgpu.jobs import batches
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
 
@@ -180,6 +181,7 @@ def compose(
             job.overrides,
         ),
     ]
+    batches.check(job.name, argv)
     env = {
         **environment(job, prof, paths),
         **({} if cards is None else devices.visible_devices_env(cards)),

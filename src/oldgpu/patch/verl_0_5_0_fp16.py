@@ -1,4 +1,5 @@
-"""The fp16 patch set for verl 0.5.0: a loss scaler on the actor's and critic's updates.
+"""The fp16 patch set for verl 0.5.0: a loss scaler on the actor's and critic's updates,
+and the HF rollout on an fp16 copy of the actor.
 
 These join only for compute dtype fp16 (the volta and turing profiles), on top of the
 dtype/attention set, whose autocast sites already follow the profile's dtype. verl
@@ -11,6 +12,10 @@ overflow, which is what users of V100/T4 reported. Upstream added FSDP's
   ``optimizer.step()`` (verl already skips on a non-finite grad norm, and
   ``scaler.step`` skips on inf/nan too), ``scaler.update`` after, before the return;
 - the update's metrics get ``<role>/grad_scale`` and ``<role>/skipped_steps``.
+
+The HF rollout (``fp16-hf-rollout``): ``HFRollout.generate_sequences`` generates inside
+``oldgpu_compat.fp16_rollout(self)``, which swaps the FSDP actor for an fp16 copy cast
+once per call (autocast over the fp32 weights re-casts them at every decoding step).
 
 Weights and optimizer state stay fp32 (the profile's Hydra overrides keep FSDP's
 param_dtype fp32); only autocast's matmuls run in fp16. The helpers live in
@@ -27,7 +32,7 @@ from oldgpu.patch.compat_module import COMPAT_ALIAS
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import Change, Patch, Site, SiteNotFound, VerifyFailed
 from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to
-from oldgpu.patch.verl_0_5_0 import DP_ACTOR, DP_CRITIC, VERSIONS
+from oldgpu.patch.verl_0_5_0 import DP_ACTOR, DP_CRITIC, HF_ROLLOUT, VERSIONS
 
 
 @dataclass(frozen=True)
@@ -228,4 +233,69 @@ class Fp16LossScaler(Patch):
                 raise VerifyFailed(f"{role.step}: scaler_update is not after the step")
 
 
-PATCHES: tuple[Patch, ...] = (Fp16LossScaler(),)
+class Fp16HfRollout(Patch):
+    name = "fp16-hf-rollout"
+    description = (
+        "fp16: the HF rollout generates with an fp16 copy of the actor, cast once per "
+        "generate_sequences call (training keeps the fp32 weights)"
+    )
+    versions = VERSIONS
+    files = (HF_ROLLOUT,)
+    scope = "HFRollout.generate_sequences"
+    CONTEXT = f"{COMPAT_ALIAS}.fp16_rollout(self)"
+
+    def applies(self, options: Options) -> bool:
+        return options.compute_dtype == "fp16"
+
+    @staticmethod
+    def _generates(node: ast.AST) -> bool:
+        """``output = [self._generate_minibatch(p) for p in ...]``"""
+        return (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.ListComp)
+            and isinstance(node.value.elt, ast.Call)
+            and dotted(node.value.elt.func) == "self._generate_minibatch"
+        )
+
+    def _function(self, src: SourceFile) -> ast.FunctionDef:
+        fn = src.definition(self.scope)
+        if not isinstance(fn, ast.FunctionDef):
+            raise SiteNotFound(f"no {self.scope}")
+        return fn
+
+    def plan(self, src: SourceFile, options: Options) -> list[Change]:
+        fn = self._function(src)
+        found = [s for s in fn.body if self._generates(s)]
+        if len(found) != 1 or found[0].lineno != found[0].end_lineno:
+            raise SiteNotFound(
+                f"{self.scope}: expected one one-line "
+                f"`output = [self._generate_minibatch(p) for p in ...]`, found {len(found)}"
+            )
+        stmt = found[0]
+        at = src.line_start(stmt.lineno)
+        indent = src.indent(stmt)
+        text = f"{indent}with {self.CONTEXT}:  # oldgpu: generate on fp16 weights\n    "
+        site = Site(
+            src.rel,
+            self.scope,
+            stmt.lineno,
+            f"the minibatches are generated inside `with {self.CONTEXT}:`",
+        )
+        return [Change(site, (Edit(at, at, text),))]
+
+    def verify(self, src: SourceFile, options: Options, changes: list[Change]) -> None:
+        fn = self._function(src)
+        if any(self._generates(s) for s in fn.body):
+            raise VerifyFailed(f"{self.scope}: a minibatch is generated outside fp16_rollout")
+        blocks = [
+            s
+            for s in fn.body
+            if isinstance(s, ast.With)
+            and len(s.items) == 1
+            and is_call_to(s.items[0].context_expr, f"{COMPAT_ALIAS}.fp16_rollout", "self")
+        ]
+        if len(blocks) != 1 or [self._generates(s) for s in blocks[0].body] != [True]:
+            raise VerifyFailed(f"{self.scope}: no `with {self.CONTEXT}:` around the generation")
+
+
+PATCHES: tuple[Patch, ...] = (Fp16LossScaler(), Fp16HfRollout())

@@ -10,6 +10,7 @@ from typing import Any
 from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs
 from oldgpu.plan.memory import (
+    AUTOCAST_FP32_LOGITS_COPIES,
     LOGITS_TRAIN_COPIES,
     RESERVE_FACTOR,
     VLLM_CUDA_GRAPH_MIB,
@@ -168,11 +169,19 @@ def _reasons(found: Plan) -> dict[str, str]:
     more = ""
     if bigger and share % bigger == 0:
         more = f"; {bigger} would need {peak('actor_update', actor_micro=bigger):.0f} MiB"
+    fp32_logits = item(upd, "backward", "fp32_response_logits")
+    autocast = (
+        f", autocast's fp32 response logits {fp32_logits:.0f} = "
+        f"{AUTOCAST_FP32_LOGITS_COPIES:g} x {c.actor_micro} x {inp.response_length} x "
+        f"{inp.shape.vocab_size} x 4 B"
+        if fp32_logits
+        else ""
+    )
     r["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] = (
         f"the largest that fits: actor_update {upd.peak:.0f} MiB at its {upd.peak_moment} "
         f"(backward: activations {item(upd, 'backward', 'activations'):.0f}, logits "
         f"{item(upd, 'backward', 'logits'):.0f} = {LOGITS_TRAIN_COPIES:g} x {c.actor_micro} x "
-        f"{inp.seq} x {inp.shape.vocab_size} x {inp.precision.compute} B){more}"
+        f"{inp.seq} x {inp.shape.vocab_size} x {inp.precision.compute} B{autocast}){more}"
     )
     alp = ph["actor_log_prob"]
     bigger_lp = next((m for m in reversed(LOG_PROB_MICRO_BATCHES) if m > c.log_prob_micro), None)
