@@ -10,9 +10,10 @@ export PATH := $(VENV)/bin:$(PATH)
 export OLDGPU_CACHE ?= /var/cache/oldgpu
 export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
-# fleet (three hosts, a Ray cluster) is not in make test yet: its converge builds three
-# venvs (about 30 minutes on 2 cores), over the CI budget; run it with SCENARIOS=fleet.
-SCENARIOS ?= $(filter-out fleet,$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
+# Every scenario, fleet right after jobs: its three hosts start from the image of
+# the jobs scenario's converged host (molecule/fleet/image.sh).
+ALL_SCENARIOS := $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
+SCENARIOS ?= $(patsubst jobs,jobs fleet,$(filter-out fleet,$(ALL_SCENARIOS)))
 
 .PHONY: help host-packages bootstrap image lint unit nix molecule test demo demo-destroy lock clean
 

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
 # Run every scenario; fail if any fails or if its verifier collected no test
 # (molecule passes a scenario whose tests folder is empty).
+# fleet starts its hosts from the image that the jobs scenario commits: given
+# both, jobs runs first, and a failed jobs run skips the fleet (the image would be
+# an older run's, or none).
 set -euo pipefail
 logs=${OLDGPU_CACHE:-/var/cache/oldgpu}/logs
 mkdir -p "$logs"
 status=0
+order=()
 for s in "$@"; do
+  [[ $s == fleet && " $* " == *" jobs "* ]] || order+=("$s")
+  [[ $s == jobs && " $* " == *" fleet "* ]] && order+=(fleet)
+done
+failed=" "
+for s in "${order[@]}"; do
+  if [[ $s == fleet && $failed == *" jobs "* ]]; then
+    echo "[molecule] fleet skipped: the jobs scenario failed, and the fleet's hosts start from its image"
+    status=1
+    continue
+  fi
   log=$logs/molecule-$s.log
   echo "[molecule] $s (log: $log)"
   start=$SECONDS
@@ -13,6 +27,7 @@ for s in "$@"; do
     sed 's/\x1b\[[0-9;]*m//g' "$log" | tail -n 80
     echo "[molecule] $s FAILED"
     status=1
+    failed+="$s "
     continue
   fi
   clean=$(sed 's/\x1b\[[0-9;]*m//g' "$log")
@@ -20,6 +35,7 @@ for s in "$@"; do
   if [[ -z $passed || $passed -eq 0 ]] || grep -q "no tests ran\|collected 0 items" <<<"$clean"; then
     echo "[molecule] $s ran no test: that is a failure"
     status=1
+    failed+="$s "
     continue
   fi
   grep -E '^\s*│?\s*=+ .*(passed|failed).* =+' <<<"$clean" | tail -n1 || true

@@ -107,8 +107,6 @@ def test_a_head_without_gpus_only_coordinates():
         ([node("h", 4), node("w", 4)], 8, 2, "cluster-gpus-exceed-node", "asks for 8"),
         ([node("h", 4), node("w", 4, tree="c" * 16)], 1, 2, "cluster-tree-differs", "node(s) w"),
         ([node("h", 4), node("w", 4, lock="d" * 16)], 1, 2, "cluster-lock-differs", "venv lock"),
-        ([node("h", 4), node("w", 4, alive=False)], 1, 2, "cluster-nodes-missing", "1 live"),
-        ([node("h", 4)], 1, 2, "cluster-nodes-missing", "names 2"),
         ([node("h", 0), node("w", 0)], 1, 2, "cluster-no-gpus", "no node"),
     ],
 )
@@ -116,6 +114,18 @@ def test_refusals(nodes, gpus, expected, error, words):
     with pytest.raises(EngineError) as err:
         fleet.check_cluster(nodes, gpus, expected, LOCAL)
     assert err.value.name == error and err.value.code == 4
+    assert words in err.value.message
+
+
+# A node that has not joined (yet): the job's unit tries again, unlike the refusals above.
+@pytest.mark.parametrize(
+    ("nodes", "words"),
+    [([node("h", 4), node("w", 4, alive=False)], "1 live"), ([node("h", 4)], "names 2")],
+)
+def test_a_missing_node_is_named_and_retryable(nodes, words):
+    with pytest.raises(EngineError) as err:
+        fleet.check_cluster(nodes, 1, 2, LOCAL)
+    assert err.value.name == "cluster-nodes-missing" and err.value.code == 5
     assert words in err.value.message
 
 

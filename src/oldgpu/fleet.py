@@ -30,6 +30,9 @@ LOCK_PREFIX, TREE_PREFIX = "oldgpu_lock_", "oldgpu_tree_"
 # What makes two hosts' runs differ; each is compared across the fleet.
 DRIFT_KEYS = ("driver", "lock", "tree")
 CONFIG_INVALID = 4
+# A cluster that is not whole now (a head that does not answer, a node that has not
+# joined yet): a job's unit tries again after RestartSec, unlike a config error.
+CLUSTER_NOT_READY = 5
 
 
 def tree_hash(verl_dir: Path = paths.VERL_DIR) -> str | None:
@@ -116,10 +119,11 @@ def check_cluster(
     alive = [n for n in nodes if n.get("Alive")]
     if len(alive) != expected_nodes:
         where = ", ".join(sorted(str(n.get("NodeManagerAddress")) for n in alive)) or "none"
-        raise _error(
+        raise EngineError(
             "cluster-nodes-missing",
             f"the cluster has {len(alive)} live node(s) ({where}) and the inventory "
             f"names {expected_nodes}; `ray status` on the head shows which did not join",
+            code=CLUSTER_NOT_READY,
         )
     counts = {
         str(n.get("NodeManagerAddress")): int(n["Resources"].get("GPU", 0))
@@ -191,7 +195,7 @@ def live_nodes(
         "ray-head-unreachable",
         f"the Ray head at {address} does not answer ({why}); is ray-head.service running "
         "there, and this host's ray-head or ray-worker unit joined to it?",
-        code=5,
+        code=CLUSTER_NOT_READY,
     )
 
 

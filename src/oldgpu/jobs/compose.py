@@ -353,7 +353,9 @@ def compose_for_host(
             job, prof, _memory_mib(prof, gpus), _model_config(job), environ, cards, nccl, cluster
         )
     except EngineError as exc:
-        if exc.code == CONFIG_INVALID or exc.name.startswith(("topology-", "ray-head")):
+        if exc.code in (CONFIG_INVALID, fleet.CLUSTER_NOT_READY) or exc.name.startswith(
+            "topology-"
+        ):
             raise
         # The planner refusing (does not fit), or the host lacking the cards the job
         # asks for, is a config error too: restarting won't help.
