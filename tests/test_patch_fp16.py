@@ -200,6 +200,19 @@ print("ok")
 
 
 @needs_torch
+def run_on_volta_tree(
+    verl_tree: Path, tmp_path: Path, capsys, script: str, dtype: str | None
+) -> list[str]:
+    """Patch the tree for volta, run ``script`` in it (under ``dtype``), return its lines."""
+    run_cli(capsys, str(verl_tree), "--profile", "volta")
+    script = script.replace("sys.argv[1]", repr(str(tmp_path / "pg")))
+    if dtype:
+        script = f"import os; os.environ['OLDGPU_COMPUTE_DTYPE'] = {dtype!r}\n" + script
+    proc = run_in_tree(verl_tree, script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()
+
+
 @pytest.mark.parametrize(
     ("dtype", "expected"),
     [
@@ -224,13 +237,7 @@ print("ok")
 def test_overflow_skips_the_step(
     verl_tree: Path, tmp_path: Path, capsys, dtype: str | None, expected: list[str]
 ) -> None:
-    run_cli(capsys, str(verl_tree), "--profile", "volta")
-    script = RUNTIME_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "pg")))
-    if dtype:
-        script = f"import os; os.environ['OLDGPU_COMPUTE_DTYPE'] = {dtype!r}\n" + script
-    proc = run_in_tree(verl_tree, script)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = run_on_volta_tree(verl_tree, tmp_path, capsys, RUNTIME_SCRIPT, dtype)
     hooked = "hooked ['SGD', 'SGD', 'SGD', 'SGD']"
     assert [x for x in lines if not x.startswith("WARN")] == [*expected, hooked, "ok"], lines
 
@@ -299,11 +306,5 @@ print("ok")
 def test_hf_rollout_runs_on_fp16_copy(
     verl_tree: Path, tmp_path: Path, capsys, dtype: str | None, expected: list[str]
 ) -> None:
-    run_cli(capsys, str(verl_tree), "--profile", "volta")
-    script = ROLLOUT_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "pg")))
-    if dtype:
-        script = f"import os; os.environ['OLDGPU_COMPUTE_DTYPE'] = {dtype!r}\n" + script
-    proc = run_in_tree(verl_tree, script)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = run_on_volta_tree(verl_tree, tmp_path, capsys, ROLLOUT_SCRIPT, dtype)
     assert lines == [*expected, "after FullyShardedDataParallel (4, 4)", "ok"], lines
