@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import testinfra
 from playbook import PROJECT
+from waiting import wait_for
 
 WORKERS = ("fleet-w1", "fleet-w2")
 RAY = "/opt/verl/venv/bin/ray"
@@ -217,16 +218,6 @@ def journal(host, since, unit=JOB):
 
 def steps_in(text):
     return sorted({int(m.group(1)) for m in re.finditer(r"step:(\d+) - ", text)})
-
-
-def wait_for(what, check, timeout=JOB_TIMEOUT_S, every=3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from test_jobs import CKPT, SECRETS, STATE, show, steps_logged
+from waiting import wait_for
 
 UNIT = "verl-train@smoke.service"
 TRACKER = f"{CKPT}/latest_checkpointed_iteration.txt"
@@ -49,16 +50,6 @@ def cursor(host):
 
 def journal(host, since, unit=UNIT):
     return host.check_output(f"journalctl -u {unit} --after-cursor '{since}' -o cat --no-pager")
-
-
-def wait_for(host, what, check, timeout=WAIT_S, every=2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def drop_in(host, unit, *lines):
@@ -115,7 +106,7 @@ def kill_stop_resume(host):
     data_at_stop = host.file(f"{CKPT}/global_step_{newest.strip()}/data.pt").exists
     after_kill = journal(host, killed)
     host.check_output(f"systemctl start {UNIT}")
-    wait_for(host, "the end of the run", lambda: ended(host), every=5)
+    wait_for("the end of the run", lambda: ended(host), every=5)
     return {
         "last": last,
         "restarts": restarts,
@@ -208,7 +199,7 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host, cas
     try:
         since = cursor(host)
         host.run(f"systemctl start {unit}")
-        wait_for(host, "the broken job to end", lambda: ended(host, unit), timeout=120)
+        wait_for("the broken job to end", lambda: ended(host, unit), timeout=120)
         time.sleep(10)
         state = show(host, "ActiveState", "Result", "ExecMainStatus", "NRestarts", unit=unit)
         text = journal(host, since, unit)
@@ -312,7 +303,7 @@ def test_disk_full_fails_cleanly_and_resumes_from_the_last_complete_checkpoint(h
         s = show(host, "ActiveState", "SubState", "Result", unit=DISKFULL)
         return s if s["Result"] not in ("success",) or s["ActiveState"] == "inactive" else None
 
-    state = wait_for(host, "diskfull to fail", failed, every=3)
+    state = wait_for("diskfull to fail", failed, every=3)
     text = journal(host, since, DISKFULL)
     print(f"disk full: one checkpoint {one} B; {state}")
     assert state["Result"] == "exit-code", text[-3000:]
@@ -327,7 +318,7 @@ def test_disk_full_fails_cleanly_and_resumes_from_the_last_complete_checkpoint(h
     host.check_output(f"systemctl stop {DISKFULL}; rm -f {FILLER}")
     since = cursor(host)
     host.check_output(f"systemctl start {DISKFULL}")
-    wait_for(host, "diskfull to finish", lambda: ended(host, DISKFULL), every=5)
+    wait_for("diskfull to finish", lambda: ended(host, DISKFULL), every=5)
     text = journal(host, since, DISKFULL)
     assert show(host, "Result", unit=DISKFULL)["Result"] == "success", text[-3000:]
     assert "Setting global step to 1" in text, text[-3000:]
