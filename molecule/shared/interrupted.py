@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-RECORD = "/var/lib/oldgpu-faults/interrupted.log"
+from interrupt import RECORD
 
 
 def kills(host) -> dict[str, str]:
