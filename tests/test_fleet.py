@@ -264,7 +264,7 @@ def test_cpu_job_over_two_workers_and_a_coordinating_head(capsys, host):
     # The profile's variables, the patched tree and the job's paths reach every worker.
     assert workers["PYTHONPATH"] == os.environ["VERL_DIR"]
     assert workers["OLDGPU_COMPUTE_DTYPE"] == env["OLDGPU_COMPUTE_DTYPE"] == "fp32"
-    assert workers["HF_HUB_OFFLINE"] == "1"
+    assert workers["HF_HUB_OFFLINE"] == workers["PYTHONUNBUFFERED"] == "1"
     assert workers["TENSORBOARD_DIR"] == env["TENSORBOARD_DIR"]
     assert "RAY_ADDRESS" not in workers and "RAY_TMPDIR" not in workers
 

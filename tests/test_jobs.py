@@ -221,6 +221,8 @@ def test_p40_command_is_the_profile_plus_the_plan_plus_the_job(job_dir):
     assert env["HF_HUB_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == env["HYDRA_FULL_ERROR"] == "1"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert env["OLDGPU_COMPUTE_DTYPE"] == "fp32"
+    # verl's step metrics come from a Ray actor: unbuffered, a stop loses none of them.
+    assert env["PYTHONUNBUFFERED"] == "1"
     assert "CUDA_VISIBLE_DEVICES" not in env
 
 

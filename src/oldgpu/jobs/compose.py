@@ -259,7 +259,10 @@ def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) ->
         **prof.get("rollout_environment", {}),
         # Ray's session files in the unit's private /tmp: one per job, gone when it stops.
         "RAY_TMPDIR": "/tmp/ray",
-        # Every worker's line in the journal, without terminal colour codes.
+        # Every worker's line in the journal as it is printed, without terminal colour
+        # codes: verl's step metrics come from a Ray actor, whose block-buffered stdout
+        # a stop or a crash would otherwise lose.
+        "PYTHONUNBUFFERED": "1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_COLOR_PREFIX": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
