@@ -36,7 +36,9 @@ lint: bootstrap
 	ruff check .
 	ruff format --check .
 
+# vllm.lock's wheels too: tests/test_vllm_env.py builds the V100/T4 hosts' venv from them.
 unit: bootstrap
+	@scripts/wheelhouse.sh files/requirements/vllm.lock
 	@venv=$$(scripts/engine-venv.sh) && cd $(CURDIR) && \
 	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
 

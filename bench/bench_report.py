@@ -162,7 +162,26 @@ def guard_events(path: Path) -> dict[str, Any]:
         "install_failed": [e for e in events if e["event"] == "install-failed"][:5],
         "memory_cap": next((e["devices"] for e in events if e["event"] == "memory-cap"), None),
         "ignored": sorted({e.get("what", "") for e in events if e["event"] == "ignored"}),
+        "memory_phases": memory_phases(events),
     }
+
+
+def memory_phases(events: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """The guard's memory tracer (OLDGPU_GUARD_MEMORY_PHASES): each process's last
+    running maxima, merged, MiB per "phase/step"; None when the run was not traced."""
+    last: dict[int, dict[str, dict[str, float]]] = {}
+    for e in events:
+        if e["event"] == "memory-phases":
+            last[e["pid"]] = e["peaks"]
+    if not last:
+        return None
+    merged: dict[str, dict[str, float]] = {}
+    for peaks in last.values():
+        for key, v in peaks.items():
+            m = merged.setdefault(key, {"allocated_mib": 0.0, "reserved_mib": 0.0})
+            for k in m:
+                m[k] = max(m[k], v[k])
+    return dict(sorted(merged.items()))
 
 
 def summarize(run: dict[str, Any], steps: list[dict[str, Any]], out: Path) -> dict[str, Any]:

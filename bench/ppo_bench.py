@@ -246,6 +246,8 @@ def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -
         for o in (*BENCH_OVERRIDES, *setting.overrides)
         if scale == "gpu" or o not in setting.gpu_only
     ]
+    # A calibration run's departures from the planner (recorded with the run's job).
+    overrides += os.environ.get("BENCH_EXTRA_OVERRIDES", "").split()
     return {
         "name": f"bench-{setting.name}",
         "model_path": assets["model"],
@@ -309,6 +311,9 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
     }
     if setting.guard_dtype:
         env["OLDGPU_GUARD_DTYPE"] = setting.guard_dtype
+    if os.environ.get("BENCH_MEMORY_PHASES") == "1":
+        # The peak per verl phase (guard/phases.py): a calibration run, not a timed one.
+        env["OLDGPU_GUARD_MEMORY_PHASES"] = "1"
     if scale != "gpu":
         env["OLDGPU_GUARD_DEVICE"] = "cpu"  # watch the CPU tensors: the fp32 path there
     return {

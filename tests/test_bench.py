@@ -328,3 +328,22 @@ def test_reward_digits() -> None:
     spec.loader.exec_module(module)
     assert module.compute_score("openai/gsm8k", "a1 b2", "3") == 0.5
     assert module.compute_score("openai/gsm8k", "   ", "3") == 0.0
+
+
+def test_memory_phases_merges_each_process_last_maxima(pb):
+    def ev(pid, peaks):
+        return {"event": "memory-phases", "pid": pid, "peaks": peaks}
+
+    a = {"allocated_mib": 100.0, "reserved_mib": 120.0}
+    b = {"allocated_mib": 90.0, "reserved_mib": 200.0}
+    events = [
+        ev(1, {"actor_update/backward": {"allocated_mib": 50.0, "reserved_mib": 60.0}}),
+        ev(1, {"actor_update/backward": a}),  # the running maxima: the last one counts
+        ev(2, {"actor_update/backward": b, "generate/generate": a}),
+        {"event": "armed", "pid": 3},
+    ]
+    assert pb.report.memory_phases(events) == {
+        "actor_update/backward": {"allocated_mib": 100.0, "reserved_mib": 200.0},
+        "generate/generate": a,
+    }
+    assert pb.report.memory_phases([{"event": "armed", "pid": 3}]) is None

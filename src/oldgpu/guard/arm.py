@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from contextlib import suppress
 from typing import Any
 
+from oldgpu.guard import phases
 from oldgpu.guard.backends import (
     _arm_compile,
     _arm_memory,
@@ -24,7 +26,7 @@ from oldgpu.guard.dtype import (
     _remove_handles,
 )
 from oldgpu.guard.imports import _block_flash_attn, _PostImportHooks, _when_imported
-from oldgpu.guard.policy import Policy, policy_from_env
+from oldgpu.guard.policy import ENV_MEMORY_PHASES, Policy, policy_from_env
 from oldgpu.guard.state import _STATE, record
 
 
@@ -46,6 +48,8 @@ def _arm_torch(torch: Any) -> None:
             _arm_conversions(torch, policy)
             _STATE.torch_armed = True
         _arm_memory(torch, policy)
+        if policy.device == "cuda" and os.environ.get(ENV_MEMORY_PHASES) == "1":
+            phases.start(torch)
     record(
         "armed",
         torch=getattr(torch, "__version__", "?"),

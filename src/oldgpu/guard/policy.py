@@ -23,6 +23,8 @@ ENV_DTYPE_CHECK = "OLDGPU_GUARD_DTYPE_CHECK"
 ENV_OPS_STEPS = "OLDGPU_GUARD_OPS_STEPS"
 ENV_LOG = "OLDGPU_GUARD_LOG"
 ENV_DEVICE = "OLDGPU_GUARD_DEVICE"
+# Bench only: trace the peak memory per verl phase (guard/phases.py).
+ENV_MEMORY_PHASES = "OLDGPU_GUARD_MEMORY_PHASES"
 
 SITE_DIR = Path(__file__).resolve().parents[1] / "guard_site"
 _OFF = ("", "0", "off", "no", "false")
