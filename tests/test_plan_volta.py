@@ -11,13 +11,16 @@ GiB = 1024  # MiB
 
 
 # The volta profile's runs on the lent H200 under the volta guard (bench/results/
-# 2026-12-03-h200/call6, call7): HF rollout, batch 128 and 256, gradient checkpointing,
-# no offload; peak allocated GiB as torch reported it (the reserved peaks ran near the
-# guard's cap, where the allocator frees its cache, so the allocated one is the fit).
+# 2026-12-03-h200/call6, call7, call10): HF rollout, batch 128 and 256, gradient
+# checkpointing, no offload; peak allocated GiB as torch reported it (the reserved peaks
+# ran near the guard's cap, where the allocator frees its cache, so the allocated one is
+# the fit).
 VOLTA_MEASURED = {
-    # fp16 autocast, actor/critic micro 8, log-prob 16: 22.22 (batch 128), 22.23 (256)
+    # fp16 autocast, log-prob micro 16: 22.22 (batch 128, micro 8), 22.23 (256, micro 8
+    # and micro 4): the same peak whatever the batch and the update's micro batch
     "fp16-b128": ("fp16", plan.Choice(128, 32, 8, 8, 16, True, plan.Offload()), 22.22),
     "fp16-b256": ("fp16", plan.Choice(256, 64, 8, 8, 16, True, plan.Offload()), 22.23),
+    "fp16-b256-m4": ("fp16", plan.Choice(256, 64, 4, 4, 16, True, plan.Offload()), 22.23),
     # fp32, micro 4, log-prob 8: 18.98 (batch 256)
     "fp32-b256": ("fp32", plan.Choice(256, 64, 4, 4, 8, True, plan.Offload()), 18.98),
 }
@@ -33,11 +36,30 @@ def test_volta_runs_allocated_peak(name):
     assert 0.98 * allocated <= est <= 1.05 * allocated, {k: v.allocated for k, v in phases.items()}
 
 
-def test_autocast_counts_the_fp32_response_logits():
+def test_fp16_peak_is_the_entropy_of_the_log_prob_phase():
+    """What the three fp16 runs share (log-prob micro 16) sets their peak, and their first
+    step's peak (18.47 GiB, verl's perf/max_memory_allocated_gb at step 1, before the
+    actor's first optimizer step made its Adam state) is the same phase without it."""
+    r = GiB * 256 * 151936 * 4 / 2**30  # one sequence's response logits in fp32, MiB
+    for name in ("fp16-b256", "fp16-b256-m4"):
+        phases = plan.estimate(
+            inputs(memory_mib=32768, compute_dtype="fp16"), VOLTA_MEASURED[name][1]
+        )
+        peak = max(phases, key=lambda k: phases[k].allocated)
+        assert peak == "actor_log_prob", {k: v.allocated for k, v in phases.items()}
+        logits = phases["actor_log_prob"].moments["logits"]["logits"]
+        # the fp16 logits over 512 tokens (as many bytes as r), 3 fp32 copies over the 256
+        # response tokens, for each of the 16 sequences
+        assert logits == pytest.approx(16 * (r + 3 * r), rel=1e-3)
+        first_step = (
+            phases["actor_log_prob"].allocated - phases["actor_log_prob"].resident["actor_adam"]
+        )
+        assert 0.98 * 18.47 <= first_step / GiB <= 1.05 * 18.47
+    # The update keeps one fp32 copy of the response logits (verl's row-wise log_softmax;
+    # no entropy there with entropy_coeff 0); fp32 has none beside its logits.
     choice = VOLTA_MEASURED["fp16-b256"][1]
     update = plan.estimate(inputs(memory_mib=32768, compute_dtype="fp16"), choice)
     back = update["actor_update"].moments["backward"]
-    # log-softmax and entropy over 8 x 256 response tokens x 151936 words, fp32
-    assert back["fp32_response_logits"] == pytest.approx(2 * 8 * 256 * 151936 * 4 / 2**20)
+    assert back["fp32_response_logits"] == pytest.approx(8 * 256 * 151936 * 4 / 2**20, rel=1e-3)
     fp32 = plan.estimate(inputs(memory_mib=32768), choice)["actor_update"]
     assert "fp32_response_logits" not in fp32.moments["backward"]

@@ -108,12 +108,23 @@ INFER_I = 3
 # response slice's gradient scattered back to full length, the temperature division's.
 # Measured 2.0 without and 3.0 with gradient checkpointing under FSDP: 3.
 LOGITS_TRAIN_COPIES = 3.0
-# Under autocast (fp16, bf16) the actor's update upcasts its response logits to fp32 for
-# the log-softmax and the entropy's softmax (autocast's fp32 ops), both kept for the
-# backward: micro x response x vocab x 4 bytes each, beside the compute-dtype logits.
-# Measured (H200 under the volta guard, fp16, micro 8): 22.23 GiB allocated at batch 128
-# and 256 where the model without them said 19.87; these two copies are 2.32 GiB of it.
-AUTOCAST_FP32_LOGITS_COPIES = 2.0
+# fp16 (the volta/turing path) is autocast over FSDP's fp32 weights, and autocast runs
+# softmax, log_softmax and logsumexp in fp32. The actor's update (entropy_coeff 0: no
+# entropy) keeps verl's row-wise log_softmax outputs for the backward: one fp32 copy of
+# the response logits, micro x response x vocab x 4 bytes, beside the fp16 logits.
+AUTOCAST_FP32_LOGITS_COPIES = 1.0
+# Its log-prob phase computes the entropy (softmax, logsumexp, their product) on fp16
+# logits: the softmax's fp32 output, logsumexp's fp32 copy of its input and the
+# exp temporary are alive at once, 3 fp32 copies of the response logits (fp32 needs 2,
+# measured exactly: LOGITS_ENTROPY_RESPONSE_COPIES); the ref's row-wise log_softmax, a
+# row's fp32 copy and output. And autocast caches no weight casts under FSDP1 (its
+# module's weights are views of the flat parameter; autocast caches leaves only): no
+# fp16 copy of the weights outside generation. Measured (H200 under the volta guard,
+# bench/results/2026-12-03-h200/call6, 7, 10): 22.22-22.23 GiB allocated at log-prob
+# micro 16 whatever the batch (128, 256) and the update's micro (4, 8), and 18.47 in the
+# first step, before the actor's Adam state (3.68 GiB) exists: the log-prob phase
+# (22.17 and 18.49 with these terms), not the update, sets the fp16 peak.
+AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES = 3.0
 # Log-prob phases: the full logits plus copies over the response (actor: entropy's
 # softmax and its product; ref: one row's logsumexp). Measured exactly: 594 and 445 MiB
 # for one 256 + 256 sequence.
@@ -282,6 +293,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     a_micro = min(choice.actor_micro, batch)
     c_micro = min(choice.critic_micro, batch)
     mixed = p.compute != p.master
+    autocast = inp.compute_dtype == "fp16"  # FSDP keeps fp32 weights; autocast casts
     # LoRA: the ref log-prob is the actor's forward with its adapters disabled (no ref copy)
     actor_phase = phase in ("generate", "actor_log_prob", "actor_update") or (
         lora and phase == "ref_log_prob"
@@ -305,7 +317,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         # Several GPUs: FSDP CPUOffload keeps the ref's shards on the host and gathers
         # one unit at a time on the GPU for its forward (the ref is wrapped per layer).
         res["ref_weights"] = _mib(unit_params(s) * p.ref)
-    if actor_phase and (n > 1 or mixed):
+    if actor_phase and (n > 1 or (mixed and (not autocast or phase == "generate"))):
         unshard = p.master if phase == "generate" else p.compute  # summon_full_params
         if lora:  # wrapped per layer: a unit at a time
             per_layer = recipes.adapter_layer_params(s, inp.lora_rank, inp.lora_target_modules)
@@ -348,8 +360,12 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         }
         if phase != "critic_values":
             full = tokens * vocab * cb
-            if phase == "actor_log_prob" or lora:  # LoRA's ref pass computes entropy too
+            if (phase == "actor_log_prob" or lora) and autocast:
+                extra = AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES * micro * resp * vocab * 4
+            elif phase == "actor_log_prob" or lora:  # LoRA's ref pass computes entropy too
                 extra = LOGITS_ENTROPY_RESPONSE_COPIES * micro * resp * vocab * cb
+            elif autocast:  # a row's log_softmax: its fp32 copy and output
+                extra = 2 * resp * vocab * 4
             else:
                 extra = resp * vocab * cb
             moments["logits"] = {
@@ -373,7 +389,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
             back["embedding_grad"] = _mib(EMBEDDING_GRAD_COPIES * embed * cb)
         if actor:
             back["logits"] = _mib(LOGITS_TRAIN_COPIES * tokens * vocab * cb)
-            if mixed:  # autocast's fp32 log-softmax and entropy over the response
+            if mixed:  # autocast's fp32 log_softmax outputs over the response
                 back["fp32_response_logits"] = _mib(
                     AUTOCAST_FP32_LOGITS_COPIES * micro * resp * vocab * 4
                 )
