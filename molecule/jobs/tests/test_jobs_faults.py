@@ -199,7 +199,17 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host, cas
     try:
         since = cursor(host)
         host.run(f"systemctl start {unit}")
-        wait_for("the broken job to end", lambda: ended(host, unit), timeout=120)
+        wait_for(
+            "the broken job to end",
+            lambda: ended(host, unit),
+            timeout=120,
+            explain=lambda: (
+                host.run(
+                    f"systemctl status --no-pager {unit}; journalctl -u {unit} --no-pager"
+                    f" -o cat --after-cursor '{since}' | tail -n 60"
+                ).stdout
+            ),
+        )
         time.sleep(10)
         state = show(host, "ActiveState", "Result", "ExecMainStatus", "NRestarts", unit=unit)
         text = journal(host, since, unit)
