@@ -517,6 +517,53 @@ def test_start_script_stops_with_4_on_a_bad_job(tmp_path, job_dir):
     assert not (tmp / "exec.json").exists()
 
 
+def tees_of(log: Path) -> list[str]:
+    """The running (not zombie) processes whose command line names ``log``."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(log) in cmd and state != "Z":
+            found.append(f"{proc.name} {cmd}")
+    return found
+
+
+def test_start_script_leaves_no_tee_behind_when_it_exits(tmp_path, job_dir):
+    """systemd on cgroup v1 (containers, older hosts) waits out TimeoutStopSec when a
+    unit's cgroup still holds a process as its main process exits: the log's tee must be
+    gone by then, on every exit (here the refusal of a bad job, exit 4)."""
+    start_script(tmp_path, job_dir, "p40", response_length=65536)  # writes the env file
+    env_file = tmp_path / "gsm8k.env"
+    log = tmp_path / "logs/gsm8k.log"
+    # A log writer that takes its time after the end of its input (a slow disk): the
+    # script must wait for it, not leave it to systemd.
+    slow = tmp_path / "slow-bin"
+    slow.mkdir()
+    (slow / "tee").write_text('#!/bin/sh\n[ "$1" = -a ] && shift\ncat >> "$1"\nsleep 1\n')
+    (slow / "tee").chmod(0o755)
+    env = {
+        "PATH": f"{slow}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT / "src"),
+        "OLDGPU_BIN": str(tmp_path / "oldgpu"),
+        "VERL_VENV": str(tmp_path / "venv"),
+        "VERL_JOB_ENV_FILE": str(env_file),
+        "STATE_DIRECTORY": str(tmp_path / "state"),
+        "LOGS_DIRECTORY": str(tmp_path / "logs"),
+        "FAKE_LOG": str(tmp_path / "fake.log"),
+        "FAKE_DOCTOR_RC": "0",
+    }
+    for _ in range(2):
+        with open(tmp_path / "out.txt", "w") as out:
+            proc = subprocess.Popen([str(START)], env=env, stdout=out, stderr=out)
+            assert proc.wait(timeout=60) == 4
+            left = tees_of(log)
+        assert not left, left
+    assert "its settings are invalid" in log.read_text()
+
+
 def test_start_script_without_a_job_is_a_config_error(tmp_path):
     proc = subprocess.run(
         [str(START)], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=False
