@@ -12,12 +12,12 @@ from oldgpu.plan.inputs import Choice, Inputs
 from oldgpu.plan.memory import (
     AUTOCAST_FP32_LOGITS_COPIES,
     LOGITS_TRAIN_COPIES,
-    RESERVE_FACTOR,
     VLLM_CUDA_GRAPH_MIB,
     PhaseEstimate,
     estimate_phase,
     param_offload_frees,
     per_gpu_batch,
+    reserve_factor,
     vllm_settings,
 )
 from oldgpu.plan.model import SHAPES
@@ -286,7 +286,7 @@ def _notes(found: Plan) -> list[str]:
     inp = found.inputs
     notes = [
         "estimates are peak reserved memory as a GPU without memory pressure shows it "
-        f"(reserved = {RESERVE_FACTOR[inp.device]} x allocated) plus the context; under "
+        f"(reserved = {reserve_factor(inp)} x allocated) plus the context; under "
         "pressure the allocator frees its cached blocks before failing, so runs near the "
         "cap usually need less than estimated",
     ]

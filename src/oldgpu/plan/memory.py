@@ -82,6 +82,20 @@ HOST_PROCESS_MIB = 1024
 # Reserved / allocated at the peak. Fitted to the two measured verl runs (17.75/12.95 =
 # 1.37, 33.65/22.35 = 1.51); the replication gave 1.47 and 1.52. The cpu figure is a guess.
 RESERVE_FACTOR = {"cuda": 1.44, "cpu": 1.2}
+# fp16 autocast on CUDA (the volta/turing path) fragments less: its extra tensors are
+# short-lived casts and fp32 logits copies of the few sizes a micro batch has. Three fp16
+# runs reserved 1.324-1.329 x what they allocated (H200, volta guard; calls 6, 7, 10 of
+# bench/results/2026-12-03-h200); 1.38 keeps a margin of 4% above the largest.
+AUTOCAST_RESERVE_FACTOR = 1.38
+
+
+def reserve_factor(inp: Inputs) -> float:
+    """Reserved / allocated at the peak for the run's device and compute dtype."""
+    if inp.device == "cuda" and inp.compute_dtype == "fp16":
+        return AUTOCAST_RESERVE_FACTOR
+    return RESERVE_FACTOR[inp.device]
+
+
 # verl 0.5.0 on one GPU: FSDP1 NO_SHARD keeps the module's views of the GPU weights, so
 # param offload frees nothing and the CPUOffload-wrapped ref stays on the GPU (measured:
 # offloading left the 3 models' 5654 MiB allocated); see RELOAD_COPIES for what it adds.
@@ -414,7 +428,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         if reload:
             moments["reload"] = {"reloaded_weights_copy": _mib(RELOAD_COPIES * reload)}
     context = CUDA_CONTEXT_MIB if cuda else HOST_PROCESS_MIB
-    return PhaseEstimate(res, moments, common, context, RESERVE_FACTOR[inp.device])
+    return PhaseEstimate(res, moments, common, context, reserve_factor(inp))
 
 
 def _vllm_generate(inp: Inputs, batch: int) -> dict[str, float]:
