@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 DP_ACTOR = "verl/workers/actor/dp_actor.py"
 DP_CRITIC = "verl/workers/critic/dp_critic.py"
 HF_ROLLOUT = "verl/workers/rollout/hf_rollout.py"
-FP16_PATCHES = ("fp16-loss-scaler", "fp16-hf-rollout")
+FP16_PATCHES = ("fp16-loss-scaler", "fp16-hf-rollout", "fp16-entropy-by-rows")
 ROLES = {
     DP_ACTOR: ("DataParallelPPOActor", "update_policy", "actor_optimizer", "actor"),
     DP_CRITIC: ("DataParallelPPOCritic", "update_critic", "critic_optimizer", "critic"),
@@ -98,6 +98,43 @@ def test_hf_rollout_generates_inside_the_fp16_copy(verl_tree: Path, capsys) -> N
         "output = DataProto.concat(output)",
         "return output",
     ]
+
+
+def test_actor_entropy_is_computed_by_rows(verl_tree: Path, capsys) -> None:
+    code, out = run_cli(capsys, str(verl_tree), "--profile", "volta")
+    assert code == 0
+    sites = {p["name"]: p["sites"] for p in out["patches"]}["fp16-entropy-by-rows"]
+    # verl 0.5.0's padded path: the direct call and the one under entropy_checkpointing
+    assert len(sites) == 2 and {s["file"] for s in sites} == {DP_ACTOR}
+    fn = method(verl_tree, DP_ACTOR, "DataParallelPPOActor", "_forward_micro_batch")
+    text = ast.unparse(fn)
+    assert "verl_F.entropy_from_logits" not in text
+    assert "entropy = oldgpu_compat.entropy_by_rows(logits)" in text
+    assert "torch.utils.checkpoint.checkpoint(oldgpu_compat.entropy_by_rows, logits)" in text
+    # the remove-padding path (self.compute_entropy_from_logits) is verl's own
+    assert "self.compute_entropy_from_logits(logits_rmpad)" in text
+
+
+# verl's entropy against the patched one: fp16 logits of 3 x 300 tokens (4 chunks of
+# 256 rows), and fp32 logits (verl's own code, bit for bit).
+ENTROPY_SCRIPT = """
+import torch
+from verl.utils import oldgpu_compat, torch_functional as verl_F
+torch.manual_seed(0)
+logits = (torch.randn(3, 300, 1000) * 4).half()
+ours = oldgpu_compat.entropy_by_rows(logits)
+ref = verl_F.entropy_from_logits(logits.float())
+assert ours.dtype == torch.float32 and ours.shape == (3, 300), (ours.dtype, ours.shape)
+print("fp16", float((ours - ref).abs().max()) < 1e-4)
+x = torch.randn(2, 5, 1000)
+print("fp32", torch.equal(oldgpu_compat.entropy_by_rows(x), verl_F.entropy_from_logits(x)))
+"""
+
+
+@needs_torch
+def test_entropy_by_rows_is_verls_entropy(verl_tree: Path, tmp_path: Path, capsys) -> None:
+    lines = run_on_volta_tree(verl_tree, tmp_path, capsys, ENTROPY_SCRIPT, None)
+    assert lines[-2:] == ["fp16 True", "fp32 True"], lines
 
 
 def test_pascal_and_fp32_trees_have_no_scaler(verl_tree: Path, verl_pristine: Path, capsys) -> None:

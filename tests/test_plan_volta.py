@@ -6,6 +6,7 @@ import pytest
 from conftest import plan_inputs as inputs
 
 from oldgpu import plan
+from oldgpu.plan import memory
 
 GiB = 1024  # MiB
 
@@ -26,6 +27,14 @@ VOLTA_MEASURED = {
 }
 
 
+@pytest.fixture
+def verls_own_entropy(monkeypatch):
+    """These runs predate the fp16-entropy-by-rows patch: verl's entropy, whole micro
+    batches at once."""
+    monkeypatch.setattr(memory, "FP16_ENTROPY_ROWS", None)
+
+
+@pytest.mark.usefixtures("verls_own_entropy")
 @pytest.mark.parametrize("name", sorted(VOLTA_MEASURED))
 def test_volta_runs_allocated_peak(name):
     dtype, choice, allocated = VOLTA_MEASURED[name]
@@ -36,6 +45,7 @@ def test_volta_runs_allocated_peak(name):
     assert 0.98 * allocated <= est <= 1.05 * allocated, {k: v.allocated for k, v in phases.items()}
 
 
+@pytest.mark.usefixtures("verls_own_entropy")
 def test_fp16_peak_is_the_entropy_of_the_log_prob_phase():
     """What the three fp16 runs share (log-prob micro 16) sets their peak, and their first
     step's peak (18.47 GiB, verl's perf/max_memory_allocated_gb at step 1, before the
@@ -63,3 +73,40 @@ def test_fp16_peak_is_the_entropy_of_the_log_prob_phase():
     assert back["fp32_response_logits"] == pytest.approx(8 * 256 * 151936 * 4 / 2**20, rel=1e-3)
     fp32 = plan.estimate(inputs(memory_mib=32768), choice)["actor_update"]
     assert "fp32_response_logits" not in fp32.moments["backward"]
+
+
+def test_entropy_rows_are_the_patchs() -> None:
+    """The planner's chunk is the one compat_fp16.py's entropy_by_rows uses."""
+    import ast
+    from importlib import resources
+
+    text = (resources.files("oldgpu.patch") / "compat_fp16.py").read_text()
+    (value,) = [
+        n.value.value
+        for n in ast.parse(text).body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ENTROPY_ROWS"
+    ]
+    assert value == memory.FP16_ENTROPY_ROWS
+
+
+def test_v100_32gb_plan_at_batch_256() -> None:
+    """fp16 (with the entropy by rows): micro 8 and log-prob micro 32; fp32: 4 and 8. The
+    log-prob phase no longer holds 3 fp32 copies of a micro batch's response logits."""
+    got = {}
+    for dtype in ("fp16", "fp32"):
+        inp = inputs(
+            memory_mib=32768,
+            compute_dtype=dtype,
+            profile_name="volta-7.0",
+            target_train_batch=256,
+            ref=True,
+        )
+        c = plan.plan(inp).choice
+        got[dtype] = (c.train_batch_size, c.actor_micro, c.critic_micro, c.log_prob_micro)
+    assert got == {"fp16": (256, 8, 8, 32), "fp32": (256, 4, 4, 8)}
+    lp = plan.estimate(
+        inputs(memory_mib=32768, compute_dtype="fp16"),
+        plan.Choice(256, 64, 8, 8, 32, True, plan.Offload()),
+    )["actor_log_prob"].moments["logits"]["logits"]
+    r = 256 * 151936 * 4 / 2**20  # one response's logits in fp32, MiB
+    assert lp == pytest.approx(32 * r + 3 * r, rel=1e-3)  # fp16 logits over 512 tokens + chunk

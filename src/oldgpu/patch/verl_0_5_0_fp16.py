@@ -1,5 +1,5 @@
 """The fp16 patch set for verl 0.5.0: a loss scaler on the actor's and critic's updates,
-and the HF rollout on an fp16 copy of the actor.
+the HF rollout on an fp16 copy of the actor, and the actor's entropy by rows.
 
 These join only for compute dtype fp16 (the volta and turing profiles), on top of the
 dtype/attention set, whose autocast sites already follow the profile's dtype. verl
@@ -16,6 +16,11 @@ overflow, which is what users of V100/T4 reported. Upstream added FSDP's
 The HF rollout (``fp16-hf-rollout``): ``HFRollout.generate_sequences`` generates inside
 ``oldgpu_compat.fp16_rollout(self)``, which swaps the FSDP actor for an fp16 copy cast
 once per call (autocast over the fp32 weights re-casts them at every decoding step).
+
+The entropy (``fp16-entropy-by-rows``): ``_forward_micro_batch`` calls
+``oldgpu_compat.entropy_by_rows`` for ``verl_F.entropy_from_logits``: the same formula,
+256 tokens at a time (autocast's three fp32 copies of a micro batch's fp16 logits set
+fp16's peak in the log-prob phase).
 
 Weights and optimizer state stay fp32 (the profile's Hydra overrides keep FSDP's
 param_dtype fp32); only autocast's matmuls run in fp16. The helpers live in
@@ -298,4 +303,42 @@ class Fp16HfRollout(Patch):
             raise VerifyFailed(f"{self.scope}: no `with {self.CONTEXT}:` around the generation")
 
 
-PATCHES: tuple[Patch, ...] = (Fp16LossScaler(), Fp16HfRollout())
+class Fp16EntropyByRows(Patch):
+    name = "fp16-entropy-by-rows"
+    description = (
+        "fp16: the actor's entropy (a log-prob metric) is computed 256 tokens at a time, "
+        "so autocast's fp32 copies of the fp16 logits are a chunk long, not a micro batch's"
+    )
+    versions = VERSIONS
+    files = (DP_ACTOR,)
+    scope = "DataParallelPPOActor._forward_micro_batch"
+    VERL = "verl_F.entropy_from_logits"
+    OURS = _c("entropy_by_rows")
+
+    def applies(self, options: Options) -> bool:
+        return options.compute_dtype == "fp16"
+
+    def _uses(self, src: SourceFile, name: str) -> list[ast.Attribute]:
+        return [a for a in src.in_scope(self.scope, ast.Attribute) if dotted(a) == name]
+
+    def plan(self, src: SourceFile, options: Options) -> list[Change]:
+        # verl 0.5.0's padded path: `verl_F.entropy_from_logits(logits)`, and the same
+        # function handed to torch.utils.checkpoint under entropy_checkpointing.
+        uses = self._uses(src, self.VERL)
+        if not uses:
+            raise SiteNotFound(f"{self.scope}: no {self.VERL}")
+        changes = []
+        for use in uses:
+            start, end = src.span(use)
+            site = Site(src.rel, self.scope, use.lineno, f"{self.VERL} -> {self.OURS}")
+            changes.append(Change(site, (Edit(start, end, self.OURS),)))
+        return changes
+
+    def verify(self, src: SourceFile, options: Options, changes: list[Change]) -> None:
+        if self._uses(src, self.VERL):
+            raise VerifyFailed(f"{self.scope}: {self.VERL} is still used")
+        if len(self._uses(src, self.OURS)) != len(changes):
+            raise VerifyFailed(f"{self.scope}: {self.OURS} is not at every site")
+
+
+PATCHES: tuple[Patch, ...] = (Fp16LossScaler(), Fp16HfRollout(), Fp16EntropyByRows())

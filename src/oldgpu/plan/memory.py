@@ -139,6 +139,10 @@ AUTOCAST_FP32_LOGITS_COPIES = 1.0
 # first step, before the actor's Adam state (3.68 GiB) exists: the log-prob phase
 # (22.17 and 18.49 with these terms), not the update, sets the fp16 peak.
 AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES = 3.0
+# The fp16 patch set's fp16-entropy-by-rows computes that entropy this many tokens at a
+# time (compat_fp16.ENTROPY_ROWS; a test keeps the two equal), so the 3 copies are of a
+# chunk, not of the micro batch's responses. None: verl's own entropy (the runs above).
+FP16_ENTROPY_ROWS: int | None = 256
 # Log-prob phases: the full logits plus copies over the response (actor: entropy's
 # softmax and its product; ref: one row's logsumexp). Measured exactly: 594 and 445 MiB
 # for one 256 + 256 sequence.
@@ -375,7 +379,12 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         if phase != "critic_values":
             full = tokens * vocab * cb
             if (phase == "actor_log_prob" or lora) and autocast:
-                extra = AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES * micro * resp * vocab * 4
+                copies = AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES
+                if FP16_ENTROPY_ROWS:  # a chunk's copies, or a row's log_softmax (as the ref)
+                    rows = min(micro * resp, FP16_ENTROPY_ROWS)
+                    extra = max(copies * rows, 2 * resp) * vocab * 4
+                else:
+                    extra = copies * micro * resp * vocab * 4
             elif phase == "actor_log_prob" or lora:  # LoRA's ref pass computes entropy too
                 extra = LOGITS_ENTROPY_RESPONSE_COPIES * micro * resp * vocab * cb
             elif autocast:  # a row's log_softmax: its fp32 copy and output
