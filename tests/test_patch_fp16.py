@@ -115,17 +115,22 @@ def test_actor_entropy_is_computed_by_rows(verl_tree: Path, capsys) -> None:
     assert "self.compute_entropy_from_logits(logits_rmpad)" in text
 
 
-# verl's entropy against the patched one: fp16 logits of 3 x 300 tokens (4 chunks of
-# 256 rows), and fp32 logits (verl's own code, bit for bit).
+# verl's entropy against the patched one: fp16 logits of 3 x 300 response tokens (a
+# chunk of 256 rows and one of 44 per sequence), 1200 rows of (tokens, vocab), and fp32
+# logits (verl's own code, bit for bit).
 ENTROPY_SCRIPT = """
 import torch
 from verl.utils import oldgpu_compat, torch_functional as verl_F
 torch.manual_seed(0)
-logits = (torch.randn(3, 300, 1000) * 4).half()
+full = (torch.randn(3, 400, 1000) * 4).half()
+logits = full[:, -301:-1, :]  # verl's response slice: not contiguous
 ours = oldgpu_compat.entropy_by_rows(logits)
 ref = verl_F.entropy_from_logits(logits.float())
 assert ours.dtype == torch.float32 and ours.shape == (3, 300), (ours.dtype, ours.shape)
 print("fp16", float((ours - ref).abs().max()) < 1e-4)
+flat = full.reshape(-1, 1000)  # the remove-padding path's (tokens, vocab)
+diff = oldgpu_compat.entropy_by_rows(flat) - verl_F.entropy_from_logits(flat.float())
+print("2d", float(diff.abs().max()) < 1e-4)
 x = torch.randn(2, 5, 1000)
 print("fp32", torch.equal(oldgpu_compat.entropy_by_rows(x), verl_F.entropy_from_logits(x)))
 """
@@ -134,7 +139,7 @@ print("fp32", torch.equal(oldgpu_compat.entropy_by_rows(x), verl_F.entropy_from_
 @needs_torch
 def test_entropy_by_rows_is_verls_entropy(verl_tree: Path, tmp_path: Path, capsys) -> None:
     lines = run_on_volta_tree(verl_tree, tmp_path, capsys, ENTROPY_SCRIPT, None)
-    assert lines[-2:] == ["fp16 True", "fp32 True"], lines
+    assert lines[-3:] == ["fp16 True", "2d True", "fp32 True"], lines
 
 
 def test_pascal_and_fp32_trees_have_no_scaler(verl_tree: Path, verl_pristine: Path, capsys) -> None:

@@ -179,13 +179,16 @@ ENTROPY_ROWS = 256
 def entropy_by_rows(logits: torch.Tensor) -> torch.Tensor:
     """verl's entropy_from_logits, in fp32, ENTROPY_ROWS rows (tokens) at a time; verl's
     own on a single chunk or fp32 logits (the fp32 baseline runs verl's code)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    if logits.dtype == torch.float32 or flat.shape[0] <= ENTROPY_ROWS:
+    tokens = logits.numel() // logits.shape[-1]
+    if logits.dtype == torch.float32 or tokens <= ENTROPY_ROWS:
         pd = torch.nn.functional.softmax(logits, dim=-1)
         return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+    # Views only: verl hands over the response slice of (batch, sequence, vocab) logits,
+    # which no reshape can flatten without copying all of it.
     parts = []
-    for chunk in flat.split(ENTROPY_ROWS):
-        chunk = chunk.float()
-        pd = torch.nn.functional.softmax(chunk, dim=-1)
-        parts.append(torch.logsumexp(chunk, dim=-1) - torch.sum(pd * chunk, dim=-1))
+    for seq in logits.unbind(0) if logits.dim() == 3 else (logits,):
+        for chunk in seq.split(ENTROPY_ROWS):
+            chunk = chunk.float()
+            pd = torch.nn.functional.softmax(chunk, dim=-1)
+            parts.append(torch.logsumexp(chunk, dim=-1) - torch.sum(pd * chunk, dim=-1))
     return torch.cat(parts).view(logits.shape[:-1])
