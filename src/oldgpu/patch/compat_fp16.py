@@ -176,19 +176,19 @@ def fp16_rollout(rollout):
 ENTROPY_ROWS = 256
 
 
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """verl 0.5.0's entropy_from_logits, as it is written there."""
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+
+
 def entropy_by_rows(logits: torch.Tensor) -> torch.Tensor:
     """verl's entropy_from_logits, in fp32, ENTROPY_ROWS rows (tokens) at a time; verl's
     own on a single chunk or fp32 logits (the fp32 baseline runs verl's code)."""
-    tokens = logits.numel() // logits.shape[-1]
-    if logits.dtype == torch.float32 or tokens <= ENTROPY_ROWS:
-        pd = torch.nn.functional.softmax(logits, dim=-1)
-        return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+    if logits.dtype == torch.float32 or logits.numel() // logits.shape[-1] <= ENTROPY_ROWS:
+        return _entropy(logits)
     # Views only: verl hands over the response slice of (batch, sequence, vocab) logits,
     # which no reshape can flatten without copying all of it.
-    parts = []
-    for seq in logits.unbind(0) if logits.dim() == 3 else (logits,):
-        for chunk in seq.split(ENTROPY_ROWS):
-            chunk = chunk.float()
-            pd = torch.nn.functional.softmax(chunk, dim=-1)
-            parts.append(torch.logsumexp(chunk, dim=-1) - torch.sum(pd * chunk, dim=-1))
+    seqs = logits.unbind(0) if logits.dim() == 3 else (logits,)
+    parts = [_entropy(chunk.float()) for seq in seqs for chunk in seq.split(ENTROPY_ROWS)]
     return torch.cat(parts).view(logits.shape[:-1])
