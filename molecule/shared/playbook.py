@@ -37,6 +37,7 @@ def playbook(*args: str, playbook: str = "site.yml", limit: str | None = None) -
         ANSIBLE_FORCE_COLOR="0",
         ANSIBLE_NOCOLOR="1",
         ANSIBLE_FORCE_VALID_GROUP_NAMES="ignore",
+        ANSIBLE_CONNECTION_PLUGINS=str(PROJECT / "molecule" / "plugins" / "connection"),
     )
     cmd = ["ansible-playbook", "-i", inventory, str(PROJECT / playbook), *args]
     if limit:
