@@ -11,7 +11,9 @@ export OLDGPU_CACHE ?= /var/cache/oldgpu
 export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
 # Every scenario, fleet right after jobs: its three hosts start from the image of
-# the jobs scenario's converged host (molecule/fleet/image.sh).
+# the jobs scenario's converged host (molecule/fleet/image.sh). jobs and fleet run
+# beside the others (scripts/molecule-all.sh: two lanes; OLDGPU_MOLECULE_LANES=1
+# runs them one after another).
 ALL_SCENARIOS := $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 SCENARIOS ?= $(patsubst jobs,jobs fleet,$(filter-out fleet,$(ALL_SCENARIOS)))
 

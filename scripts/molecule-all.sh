@@ -4,41 +4,79 @@
 # fleet starts its hosts from the image that the jobs scenario commits: given
 # both, jobs runs first, and a failed jobs run skips the fleet (the image would be
 # an older run's, or none).
+# Two lanes run side by side (OLDGPU_MOLECULE_LANES=1: one after the other): jobs
+# and fleet in one, the other scenarios in the other. Why: a scenario spends much
+# of its time waiting (apt downloads, DKMS, a job's restart delay, Ray's start),
+# and the longest pair is about as long as all the others together.
 set -euo pipefail
 logs=${OLDGPU_CACHE:-/var/cache/oldgpu}/logs
 mkdir -p "$logs"
-status=0
-order=()
-for s in "$@"; do
-  [[ $s == fleet && " $* " == *" jobs "* ]] || order+=("$s")
-  [[ $s == jobs && " $* " == *" fleet "* ]] && order+=(fleet)
-done
-failed=" "
-for s in "${order[@]}"; do
-  if [[ $s == fleet && $failed == *" jobs "* ]]; then
-    echo "[molecule] fleet skipped: the jobs scenario failed, and the fleet's hosts start from its image"
-    status=1
-    continue
-  fi
-  log=$logs/molecule-$s.log
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+
+# One scenario: its log, its verdict in $results/<scenario>.
+run_one() {
+  local s=$1 log=$logs/molecule-$1.log start=$SECONDS clean passed
   echo "[molecule] $s (log: $log)"
-  start=$SECONDS
   if ! ANSIBLE_NOCOLOR=1 PY_COLORS=0 molecule test -s "$s" >"$log" 2>&1; then
-    sed 's/\x1b\[[0-9;]*m//g' "$log" | tail -n 80
-    echo "[molecule] $s FAILED"
-    status=1
-    failed+="$s "
-    continue
+    sed 's/\x1b\[[0-9;]*m//g' "$log" | tail -n 80 | sed "s/^/[$s] /"
+    echo "[molecule] $s FAILED after $((SECONDS - start)) s"
+    echo failed >"$results/$s"
+    return
   fi
   clean=$(sed 's/\x1b\[[0-9;]*m//g' "$log")
   passed=$(grep -Eo '[0-9]+ passed' <<<"$clean" | tail -n1 | cut -d' ' -f1)
   if [[ -z $passed || $passed -eq 0 ]] || grep -q "no tests ran\|collected 0 items" <<<"$clean"; then
     echo "[molecule] $s ran no test: that is a failure"
-    status=1
-    failed+="$s "
-    continue
+    echo failed >"$results/$s"
+    return
   fi
-  grep -E '^\s*│?\s*=+ .*(passed|failed).* =+' <<<"$clean" | tail -n1 || true
+  grep -E '^\s*│?\s*=+ .*(passed|failed).* =+' <<<"$clean" | tail -n1 | sed "s/^/[$s] /" || true
   echo "[molecule] $s ok: $passed passed in $((SECONDS - start)) s"
+  echo ok >"$results/$s"
+}
+
+# Scenarios one after another; the fleet only after a jobs run that passed.
+lane() {
+  local s
+  for s in "$@"; do
+    if [[ $s == fleet && " $* " == *" jobs "* && $(cat "$results/jobs") != ok ]]; then
+      echo "[molecule] fleet skipped: the jobs scenario failed, and the fleet's hosts start from its image"
+      echo failed >"$results/fleet"
+      continue
+    fi
+    run_one "$s"
+  done
+}
+
+chain=() others=()
+for s in "$@"; do
+  case $s in
+    jobs | fleet) chain+=("$s") ;;
+    *) others+=("$s") ;;
+  esac
 done
+# jobs before fleet, whatever order they were given in.
+[[ ${#chain[@]} -eq 2 ]] && chain=(jobs fleet)
+
+start=$SECONDS
+if [[ ${OLDGPU_MOLECULE_LANES:-2} == 1 || ${#chain[@]} -eq 0 || ${#others[@]} -eq 0 ]]; then
+  lane "${chain[@]}" "${others[@]}"
+else
+  echo "[molecule] two lanes: ${chain[*]} | ${others[*]}"
+  lane "${chain[@]}" &
+  first=$!
+  lane "${others[@]}" &
+  second=$!
+  wait "$first" || true
+  wait "$second" || true
+fi
+
+status=0
+for s in "$@"; do
+  verdict=$(cat "$results/$s" 2>/dev/null || echo "not run")
+  printf '[molecule] %-8s %s\n' "$s" "$verdict"
+  [[ $verdict == ok ]] || status=1
+done
+echo "[molecule] all scenarios in $((SECONDS - start)) s"
 exit $status
