@@ -15,6 +15,10 @@ molecule test -s jobs), then the fleet.
 MSG
   exit 2
 fi
+if ! podman volume exists oldgpu-jobs-venvs; then
+  echo "fleet-venvs-missing: the volume oldgpu-jobs-venvs (the jobs scenario's venvs) does not exist. Run the jobs scenario first." >&2
+  exit 2
+fi
 base_id=$(podman image inspect --format '{{.Id}}' "$base")
 old_id=$(podman image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
 old_base=$(podman image inspect --format '{{index .Labels "org.oldgpu.base"}}' "$image" 2>/dev/null || true)
