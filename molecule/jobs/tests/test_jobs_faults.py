@@ -20,7 +20,7 @@ ENV = "/etc/verl/jobs/smoke.env"
 # After test_jobs.py the smoke job's checkpoints end at step 4. A CPU step of the
 # smoke model takes about half a second: the tests watch the tracker file inside
 # the host (a tight loop there), not the journal, to act at the right moment.
-KILL_AT, LAST = 6, 60
+KILL_AT, LAST = 6, 20
 WAIT_S = 900
 
 
@@ -66,7 +66,7 @@ def ended(host, unit=UNIT):
 
 @pytest.fixture(scope="module")
 def kill_stop_resume(host):
-    """One run of the smoke job to step 60: killed, repaired, restarted, stopped, resumed."""
+    """One run of the smoke job to step 20: killed, repaired, restarted, stopped, resumed."""
     host.check_output(f"sed -i \"s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='{LAST}'/\" {ENV}")
     # The unit waits 60 s before a restart; the test 10 s (the restart itself is systemd's).
     # And until the stop below, 30 s for what a SIGKILL leaves: systemd in this container
