@@ -17,10 +17,10 @@ PODMAN_ENV := source scripts/podman-env.sh
 ALL_SCENARIOS := $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 SCENARIOS ?= $(patsubst jobs,jobs fleet,$(filter-out fleet,$(ALL_SCENARIOS)))
 
-.PHONY: help host-packages bootstrap image lint unit nix molecule test demo demo-destroy lock clean
+.PHONY: help host-packages bootstrap image prepare lint unit nix molecule test demo demo-destroy lock clean
 
 help:
-	@echo "make demo | make test | make lint | make unit | make nix | make molecule SCENARIOS=default"
+	@echo "make demo | make test | make lint | make unit | make nix | make prepare | make molecule SCENARIOS=default"
 
 # What the controller itself needs from the distribution (Debian/Ubuntu).
 host-packages:
@@ -55,9 +55,18 @@ molecule: image
 	@scripts/verl-mirror.sh >/dev/null
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
-# Each stage timed (scripts/test-stages.sh prints a table at the end).
+# What unit and molecule fetch or build (the image, the wheelhouse for both locks,
+# the engine's venv, the verl mirror), made once before they run side by side.
+prepare: image
+	@scripts/wheelhouse.sh
+	@scripts/wheelhouse.sh files/requirements/vllm.lock
+	@scripts/engine-venv.sh >/dev/null
+	@scripts/verl-mirror.sh >/dev/null
+
+# Each stage timed (scripts/test-stages.sh prints a table at the end). unit+molecule:
+# the unit tests (one process) run beside the scenarios, not before them.
 test:
-	@scripts/test-stages.sh lint unit nix molecule
+	@scripts/test-stages.sh lint nix prepare unit+molecule
 	@echo "make test: all checks passed"
 
 demo: image
