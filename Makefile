@@ -42,7 +42,7 @@ lint: bootstrap
 unit: bootstrap
 	@scripts/wheelhouse.sh files/requirements/vllm.lock
 	@venv=$$(scripts/engine-venv.sh) && cd $(CURDIR) && \
-	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
+	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # The flake, offline: every .nix file parsed, the outputs evaluated (and the
 # module's env file and unit built) against the stub nixpkgs in tests/nix.
