@@ -5,9 +5,9 @@
 # both, jobs runs first, and a failed jobs run skips the fleet (the image would be
 # an older run's, or none).
 # Two lanes run side by side (OLDGPU_MOLECULE_LANES=1: one after the other): jobs
-# and fleet in one, the other scenarios in the other. Why: a scenario spends much
-# of its time waiting (apt downloads, DKMS, a job's restart delay, Ray's start),
-# and the longest pair is about as long as all the others together.
+# and fleet in one, the other scenarios in the other. Why: one scenario alone
+# leaves a core idle much of the time (one ansible process, apt downloads, a job's
+# restart delay, Ray's start); two keep both busy, so the gain is that idle time.
 set -euo pipefail
 logs=${OLDGPU_CACHE:-/var/cache/oldgpu}/logs
 mkdir -p "$logs"

@@ -4,9 +4,10 @@
 # a module to the host's python and says has_pipelining = False. Each task then
 # costs four podman calls (mkdir, put, chmod+run, rm), about 1 s on the 2-core
 # test machine. With -i when there is input, a module is one `podman exec -i`:
-# ansible pipelines (ansible.cfg: pipelining) and a converge of the stack takes
-# far less time (molecule's podman driver names the connection `podman`, which
-# ANSIBLE_CONNECTION_PLUGINS finds here before the collection's redirect).
+# ansible pipelines (this plugin's pipelining option defaults to true) and a
+# 46-task probe play took 42 s instead of 78 s. Molecule's podman driver names
+# the connection `podman`, which ANSIBLE_CONNECTION_PLUGINS finds here before the
+# collection's redirect.
 # Everything else (mount, put_file, fetch_file) is the collection's.
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from ansible_collections.containers.podman.plugins.connection.podman import (
     Connection as _CollectionPodman,
 )
 
+# Ansible reads a plugin's options from this string's text (not by import), so
+# the collection's options are repeated here, shortened, with pipelining added.
 DOCUMENTATION = """
     name: podman
     short_description: containers.podman.podman with pipelining (podman exec -i)
