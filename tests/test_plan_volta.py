@@ -29,9 +29,10 @@ VOLTA_MEASURED = {
 
 @pytest.fixture
 def verls_own_entropy(monkeypatch):
-    """These runs predate the fp16-entropy-by-rows patch: verl's entropy, whole micro
-    batches at once."""
+    """These runs predate the fp16-entropy-by-rows and fp16-response-logits patches:
+    verl's entropy, whole micro batches at once, and logits over the whole sequence."""
     monkeypatch.setattr(memory, "FP16_ENTROPY_ROWS", None)
+    monkeypatch.setattr(memory, "FP16_RESPONSE_LOGITS", False)
 
 
 @pytest.mark.usefixtures("verls_own_entropy")
@@ -90,8 +91,9 @@ def test_entropy_rows_are_the_patchs() -> None:
 
 
 def test_v100_32gb_plan_at_batch_256() -> None:
-    """fp16 (with the entropy by rows): micro 8 and log-prob micro 32; fp32: 4 and 8. The
-    log-prob phase no longer holds 3 fp32 copies of a micro batch's response logits."""
+    """fp16 (entropy by rows, the response's logits only): micro 16 and log-prob micro
+    64; fp32: 4 and 8. The update keeps no fp32 copy of the response logits and its
+    logits are the response's + 1 positions, so the actor's micro batch doubles."""
     got = {}
     for dtype in ("fp16", "fp32"):
         inp = inputs(
@@ -103,10 +105,26 @@ def test_v100_32gb_plan_at_batch_256() -> None:
         )
         c = plan.plan(inp).choice
         got[dtype] = (c.train_batch_size, c.actor_micro, c.critic_micro, c.log_prob_micro)
-    assert got == {"fp16": (256, 8, 8, 32), "fp32": (256, 4, 4, 8)}
-    lp = plan.estimate(
+    assert got == {"fp16": (256, 16, 16, 64), "fp32": (256, 4, 4, 8)}
+    phases = plan.estimate(
         inputs(memory_mib=32768, compute_dtype="fp16"),
-        plan.Choice(256, 64, 8, 8, 32, True, plan.Offload()),
-    )["actor_log_prob"].moments["logits"]["logits"]
-    r = 256 * 151936 * 4 / 2**20  # one response's logits in fp32, MiB
-    assert lp == pytest.approx(32 * r + 3 * r, rel=1e-3)  # fp16 logits over 512 tokens + chunk
+        plan.Choice(256, 64, 16, 16, 64, True, plan.Offload()),
+    )
+    v = 151936
+    r = 256 * v * 4 / 2**20  # one response's logits in fp32, MiB
+    lp = phases["actor_log_prob"].moments["logits"]["logits"]
+    # fp16 logits over 257 positions (the response + 1) + the entropy chunk's 3 copies
+    assert lp == pytest.approx(64 * 257 * v * 2 / 2**20 + 3 * r, rel=1e-3)
+    back = phases["actor_update"].moments["backward"]
+    assert back["logits"] == pytest.approx(3 * 16 * 257 * v * 2 / 2**20, rel=1e-3)
+    assert back["fp32_logits_chunk"] == pytest.approx(2 * r, rel=1e-3)
+    assert "fp32_response_logits" not in back
+
+
+def test_response_logits_are_fp16_only() -> None:
+    """fp32 (the P40's and the baseline's) plans logits over the whole sequence, as verl
+    computes them there; the fp16 patch set is not in that tree."""
+    choice = plan.Choice(256, 64, 4, 4, 8, True, plan.Offload())
+    back = plan.estimate(inputs(memory_mib=32768), choice)["actor_update"].moments["backward"]
+    assert back["logits"] == pytest.approx(3 * 4 * 512 * 151936 * 4 / 2**20, rel=1e-3)
+    assert "fp32_logits_chunk" not in back

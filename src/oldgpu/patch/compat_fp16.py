@@ -9,6 +9,7 @@
 
 import contextlib
 import copy
+import inspect
 import math
 import warnings
 
@@ -192,3 +193,86 @@ def entropy_by_rows(logits: torch.Tensor) -> torch.Tensor:
     seqs = logits.unbind(0) if logits.dim() == 3 else (logits,)
     parts = [_entropy(chunk.float()) for seq in seqs for chunk in seq.split(ENTROPY_ROWS)]
     return torch.cat(parts).view(logits.shape[:-1])
+
+
+# --- the response's logits in the actor's padded path ---
+# verl 0.5.0 computes the logits of every position (prompt + response) and keeps the
+# response's: on fp16 that is half the lm_head's work and bytes thrown away, and in the
+# update its log-probs (verl's row-wise log_softmax under autocast) keep an fp32 copy
+# of the response logits for the backward. Those two set the largest micro batch that
+# fits, and on a fast card the update's time is its number of micro batches.
+
+
+def response_logits_only(actor, response_length: int) -> dict:
+    """Keyword arguments for the actor's model call: ``logits_to_keep`` (the last
+    response_length + 1 positions: verl's slice ``[:, -response_length - 1 : -1]``
+    then takes the same rows) where the model's forward has that parameter (HF causal
+    LMs since transformers 4.50), the compute dtype is fp16 and verl's fused kernels
+    are off; otherwise none (the model computes every position, as verl has it)."""
+    if compute_dtype() != torch.float16 or getattr(actor, "use_fused_kernels", False):  # noqa: F821
+        return {}
+    module = getattr(actor, "actor_module", None)
+    while isinstance(module, _FSDP):
+        module = module.module
+    base = getattr(module, "get_base_model", None)  # PEFT: the HF model inside
+    if callable(base):
+        module = base()
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": response_length + 1} if "logits_to_keep" in params else {}
+
+
+class _LogprobsByRows(torch.autograd.Function):
+    """log_softmax(logits)[label] in fp32, ENTROPY_ROWS tokens at a time; saves the fp16
+    logits (alive anyway) and the logsumexp, and recomputes each chunk's softmax for the
+    backward, which it writes in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for x, lab, o, s in zip(
+            _chunks(logits), _chunks(labels), _chunks(out), _chunks(lse), strict=True
+        ):
+            x = x.float()
+            s.copy_(torch.logsumexp(x, dim=-1))
+            o.copy_(x.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - s)
+        ctx.save_for_backward(logits, labels, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for x, lab, s, g, gx in zip(
+            _chunks(logits),
+            _chunks(labels),
+            _chunks(lse),
+            _chunks(grad_out),
+            _chunks(grad),
+            strict=True,
+        ):
+            # d/dx (x[label] - logsumexp(x)) = onehot(label) - softmax(x)
+            p = x.to(torch.float32, copy=True).sub_(s.unsqueeze(-1)).exp_()
+            p.mul_(-g.unsqueeze(-1))
+            p.scatter_add_(-1, lab.unsqueeze(-1), g.unsqueeze(-1).float())
+            gx.copy_(p)
+        return grad, None
+
+
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ENTROPY_ROWS tokens of each sequence of (batch, tokens, ...)."""
+    return [c for seq in t.unbind(0) for c in seq.split(ENTROPY_ROWS)]
+
+
+def logprobs_by_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """verl's logprobs_from_logits for the padded path's (batch, response, vocab) logits:
+    on fp16 ones _LogprobsByRows (no fp32 copy of the response logits kept for the
+    backward); verl's own otherwise (the fp32 baseline runs verl's code)."""
+    if logits.dtype == torch.float32 or logits.dim() != 3:
+        from verl.utils.torch_functional import logprobs_from_logits
+
+        return logprobs_from_logits(logits, labels)
+    return _LogprobsByRows.apply(logits, labels)
