@@ -128,3 +128,16 @@ def test_response_logits_are_fp16_only() -> None:
     back = plan.estimate(inputs(memory_mib=32768), choice)["actor_update"].moments["backward"]
     assert back["logits"] == pytest.approx(3 * 4 * 512 * 151936 * 4 / 2**20, rel=1e-3)
     assert "fp32_logits_chunk" not in back
+
+
+def test_response_logits_plan_measured_on_the_safe_side() -> None:
+    """The plan with fp16-response-logits (micro 16, log-prob 64) on the lent H100
+    (bench/results/2026-12-05-h100/call1, call2): 18.47 GiB allocated at the peak, set
+    in step 1 (as in every earlier run), so no phase of steps 2-3 went above it. The
+    planner's largest phase must not be under it, nor more than 10% over."""
+    choice = plan.Choice(256, 64, 16, 16, 64, True, plan.Offload())
+    phases = plan.estimate(
+        inputs(memory_mib=32768, compute_dtype="fp16", profile_name="volta-7.0"), choice
+    )
+    est = max(p.allocated for p in phases.values()) / GiB
+    assert 18.47 <= est <= 1.10 * 18.47, {k: v.allocated for k, v in phases.items()}
