@@ -171,32 +171,33 @@ def test_revert_is_byte_identical(verl_tree: Path, verl_pristine: Path, capsys) 
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)
 
 
-def test_changed_shape_is_refused(verl_tree: Path, capsys) -> None:
-    critic = verl_tree / DP_CRITIC
-    text = critic.read_text()
-    critic.write_text(text.replace("loss.backward()", "(loss * 1).backward()", 1))
+def refused(verl_tree: Path, capsys, rel: str, old: str, new: str, unique: bool = True) -> str:
+    """Rewrite ``old`` (its first occurrence; the only one when ``unique``) to ``new`` in
+    ``rel``, patch for volta: refused as site-not-found, nothing changed; the message."""
+    path = verl_tree / rel
+    text = path.read_text()
+    assert text.count(old) == 1 if unique else old in text
+    path.write_text(text.replace(old, new, 1))
     before = tree_hashes(verl_tree)
     code = cli.main(["patch", str(verl_tree), "--profile", "volta", "--json"])
     err = json.loads(capsys.readouterr().out)
     assert code == 2 and err["error"] == "site-not-found", err
-    assert "fp16-loss-scaler" in err["message"] and "update_critic" in err["message"]
     assert tree_hashes(verl_tree) == before  # all or nothing
+    return err["message"]
+
+
+def test_changed_shape_is_refused(verl_tree: Path, capsys) -> None:
+    message = refused(
+        verl_tree, capsys, DP_CRITIC, "loss.backward()", "(loss * 1).backward()", unique=False
+    )
+    assert "fp16-loss-scaler" in message and "update_critic" in message
 
 
 def test_changed_rollout_shape_is_refused(verl_tree: Path, capsys) -> None:
-    rollout = verl_tree / HF_ROLLOUT
-    text = rollout.read_text()
     old = "output = [self._generate_minibatch(p) for p in batch_prompts]"
-    assert text.count(old) == 1
-    rollout.write_text(
-        text.replace(old, "output = list(map(self._generate_minibatch, batch_prompts))")
-    )
-    before = tree_hashes(verl_tree)
-    code = cli.main(["patch", str(verl_tree), "--profile", "volta", "--json"])
-    err = json.loads(capsys.readouterr().out)
-    assert code == 2 and err["error"] == "site-not-found", err
-    assert "fp16-hf-rollout" in err["message"] and "generate_sequences" in err["message"]
-    assert tree_hashes(verl_tree) == before
+    new = "output = list(map(self._generate_minibatch, batch_prompts))"
+    message = refused(verl_tree, capsys, HF_ROLLOUT, old, new)
+    assert "fp16-hf-rollout" in message and "generate_sequences" in message
 
 
 # The patched _optimizer_step of the real classes, on a tiny CPU model: one overflowing
@@ -373,21 +374,9 @@ def test_actor_computes_the_responses_logits_only(verl_tree: Path, capsys) -> No
 
 
 def test_changed_logits_shape_is_refused(verl_tree: Path, capsys) -> None:
-    actor = verl_tree / DP_ACTOR
-    text = actor.read_text()
     old = 'log_probs = logprobs_from_logits(logits, micro_batch["responses"])'
-    assert text.count(old) == 1
-    actor.write_text(
-        text.replace(
-            old, 'log_probs = verl_F.logprobs_from_logits_v2(logits, micro_batch["responses"])'
-        )
-    )
-    before = tree_hashes(verl_tree)
-    code = cli.main(["patch", str(verl_tree), "--profile", "volta", "--json"])
-    err = json.loads(capsys.readouterr().out)
-    assert code == 2 and err["error"] == "site-not-found", err
-    assert "fp16-response-logits" in err["message"]
-    assert tree_hashes(verl_tree) == before
+    new = 'log_probs = verl_F.logprobs_from_logits_v2(logits, micro_batch["responses"])'
+    assert "fp16-response-logits" in refused(verl_tree, capsys, DP_ACTOR, old, new)
 
 
 # The patched DataParallelPPOActor._forward_micro_batch on a tiny FSDP-wrapped Qwen2 on

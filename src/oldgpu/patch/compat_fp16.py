@@ -183,6 +183,11 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
 
 
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ENTROPY_ROWS tokens of each sequence of (batch, tokens, ...)."""
+    return [c for seq in t.unbind(0) for c in seq.split(ENTROPY_ROWS)]
+
+
 def entropy_by_rows(logits: torch.Tensor) -> torch.Tensor:
     """verl's entropy_from_logits, in fp32, ENTROPY_ROWS rows (tokens) at a time; verl's
     own on a single chunk or fp32 logits (the fp32 baseline runs verl's code)."""
@@ -190,8 +195,8 @@ def entropy_by_rows(logits: torch.Tensor) -> torch.Tensor:
         return _entropy(logits)
     # Views only: verl hands over the response slice of (batch, sequence, vocab) logits,
     # which no reshape can flatten without copying all of it.
-    seqs = logits.unbind(0) if logits.dim() == 3 else (logits,)
-    parts = [_entropy(chunk.float()) for seq in seqs for chunk in seq.split(ENTROPY_ROWS)]
+    chunks = _chunks(logits) if logits.dim() == 3 else logits.split(ENTROPY_ROWS)
+    parts = [_entropy(chunk.float()) for chunk in chunks]
     return torch.cat(parts).view(logits.shape[:-1])
 
 
@@ -260,11 +265,6 @@ class _LogprobsByRows(torch.autograd.Function):
             p.scatter_add_(-1, lab.unsqueeze(-1), g.unsqueeze(-1).float())
             gx.copy_(p)
         return grad, None
-
-
-def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
-    """Views of ENTROPY_ROWS tokens of each sequence of (batch, tokens, ...)."""
-    return [c for seq in t.unbind(0) for c in seq.split(ENTROPY_ROWS)]
 
 
 def logprobs_by_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
