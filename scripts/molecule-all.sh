@@ -14,6 +14,11 @@ mkdir -p "$logs"
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
 
+# A scenario's row for make test's table (scripts/test-stages.sh), if it asked.
+scenario_time() {
+  [[ -z ${OLDGPU_STAGE_TIMES:-} ]] || printf 'molecule/%s %d %s\n' "$1" "$2" "$3" >>"$OLDGPU_STAGE_TIMES"
+}
+
 # One scenario: its log, its verdict in $results/<scenario>.
 run_one() {
   local s=$1 log=$logs/molecule-$1.log start=$SECONDS clean passed
@@ -22,6 +27,7 @@ run_one() {
     sed 's/\x1b\[[0-9;]*m//g' "$log" | tail -n 80 | sed "s/^/[$s] /"
     echo "[molecule] $s FAILED after $((SECONDS - start)) s"
     echo failed >"$results/$s"
+    scenario_time "$s" $((SECONDS - start)) FAILED
     return
   fi
   clean=$(sed 's/\x1b\[[0-9;]*m//g' "$log")
@@ -29,11 +35,13 @@ run_one() {
   if [[ -z $passed || $passed -eq 0 ]] || grep -q "no tests ran\|collected 0 items" <<<"$clean"; then
     echo "[molecule] $s ran no test: that is a failure"
     echo failed >"$results/$s"
+    scenario_time "$s" $((SECONDS - start)) "FAILED (no test)"
     return
   fi
   grep -E '^\s*│?\s*=+ .*(passed|failed).* =+' <<<"$clean" | tail -n1 | sed "s/^/[$s] /" || true
   echo "[molecule] $s ok: $passed passed in $((SECONDS - start)) s"
   echo ok >"$results/$s"
+  scenario_time "$s" $((SECONDS - start)) "$passed passed"
 }
 
 # Scenarios one after another; the fleet only after a jobs run that passed.
@@ -43,6 +51,7 @@ lane() {
     if [[ $s == fleet && " $* " == *" jobs "* && $(cat "$results/jobs") != ok ]]; then
       echo "[molecule] fleet skipped: the jobs scenario failed, and the fleet's hosts start from its image"
       echo failed >"$results/fleet"
+      scenario_time fleet 0 "FAILED (skipped: jobs failed)"
       continue
     fi
     run_one "$s"

@@ -1,16 +1,50 @@
 #!/usr/bin/env bash
 # `make test`: run each stage in order, print its time as it ends and a table
-# of all stage times at the end (CI's budget is judged per stage). A stage
-# written a+b runs make a and make b side by side (their prerequisites made by
-# the stages before: `make prepare`), each line of a's output marked [a]; it
-# fails if either fails.
+# of all stage times at the end of every run, passed or failed (the next
+# regression shows itself in the table; a failed stage says FAILED and the
+# stages after it are absent). A stage written a+b runs make a and make b side
+# by side (their prerequisites made by the stages before: `make prepare`), each
+# line of a's output marked [a]; it fails if either fails. The molecule
+# scenarios add their own rows (scripts/molecule-all.sh writes them to
+# $OLDGPU_STAGE_TIMES). The first line says which caches the run found.
 set -euo pipefail
+cache=${OLDGPU_CACHE:-/var/cache/oldgpu}
 declare -a rows=()
 total=$SECONDS
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+export OLDGPU_STAGE_TIMES=$tmp/scenarios
 
-row() { rows+=("$(printf '%-10s %6d s' "$1" "$2")"); }
+row() { rows+=("$(printf '%-18s %6d s  %s' "$1" "$2" "${3:-}")"); }
+
+# The table, whatever ended the run; the scenarios' rows under molecule's.
+table() {
+  local rc=$? r name secs verdict
+  [[ -z $running ]] || row "$running" $((SECONDS - start)) "stopped"
+  echo "[stage] times ($cache_state caches):"
+  for r in "${rows[@]}"; do
+    printf '  %s\n' "$r"
+    if [[ $r == "molecule "* && -s $OLDGPU_STAGE_TIMES ]]; then
+      while read -r name secs verdict; do
+        printf '    %-16s %6d s  %s\n' "$name" "$secs" "$verdict"
+      done <"$OLDGPU_STAGE_TIMES"
+    fi
+  done
+  printf '  %-18s %6d s  %s\n' total $((SECONDS - total)) "$( ((rc == 0)) && echo passed || echo FAILED)"
+  rm -rf "$tmp"
+}
+
+# What a fresh machine lacks: the test image's storage, the wheelhouse, the venvs.
+found=()
+for d in podman/storage wheelhouse venvs; do [[ -d $cache/$d ]] && found+=("$d"); done
+case ${#found[@]} in
+  0) cache_state=cold ;;
+  3) cache_state=warm ;;
+  *) cache_state="partly warm (${found[*]})" ;;
+esac
+echo "[stage] caches in $cache: $cache_state"
+trap table EXIT
+# A run stopped from outside (CI's time limit, ^C) prints its table too.
+trap 'exit 143' TERM INT
 
 # One make target beside others: its lines marked, its time and status in $tmp.
 beside() {
@@ -20,8 +54,9 @@ beside() {
   echo "$rc $((SECONDS - start))" >"$tmp/$stage"
 }
 
+running='' start=$SECONDS
 for stage in "$@"; do
-  start=$SECONDS
+  start=$SECONDS running=$stage
   echo "[stage] $stage: start ($(date -u +%H:%M:%S))"
   if [[ $stage == *+* ]]; then
     IFS=+ read -ra parts <<<"$stage"
@@ -30,26 +65,28 @@ for stage in "$@"; do
     failed=()
     for part in "${parts[@]}"; do
       read -r rc secs <"$tmp/$part"
-      row "$part" "$secs"
       if [[ $rc == 0 ]]; then
+        row "$part" "$secs"
         echo "[stage] $part: passed in $secs s"
       else
+        row "$part" "$secs" FAILED
         echo "[stage] $part: FAILED after $secs s"
         failed+=("$part")
       fi
     done
+    row "($stage)" $((SECONDS - start)) "$( ((${#failed[@]})) && echo FAILED)"
+    running=''
     [[ ${#failed[@]} -eq 0 ]] || exit 1
-    row "($stage)" $((SECONDS - start))
     echo "[stage] $stage: passed in $((SECONDS - start)) s"
     continue
   fi
   if ! make --no-print-directory "$stage"; then
+    running=''
+    row "$stage" $((SECONDS - start)) FAILED
     echo "[stage] $stage: FAILED after $((SECONDS - start)) s"
     exit 1
   fi
+  running=''
   row "$stage" $((SECONDS - start))
   echo "[stage] $stage: passed in $((SECONDS - start)) s"
 done
-echo "[stage] times:"
-printf '  %s\n' "${rows[@]}"
-printf '  %-10s %6d s\n' total $((SECONDS - total))

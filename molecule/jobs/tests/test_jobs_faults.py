@@ -1,25 +1,30 @@
 """Faults of a real training job under systemd, after test_jobs.py trained the smoke job.
 
-A SIGKILL mid-run, a kill during a checkpoint write (the tracker file left empty, a
-checkpoint half written), a stop during a checkpoint write, a configuration error, a
-full disk under a job's state directory, and the unit's sandbox and secrets.
+The user raises total_steps and converges; the next start resumes from test_jobs.py's
+checkpoint, and that same run is then hit by a SIGKILL mid-run, a kill during a
+checkpoint write (the tracker file left empty, a checkpoint half written) and a stop
+during a checkpoint write. Then a configuration error, a full disk under a job's state
+directory, and the unit's sandbox and secrets. (One run proves the resume after a
+converge and the faults: each verl start on CPU costs a minute of the CI budget.)
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import pytest
-from test_jobs import CKPT, SECRETS, STATE, show, steps_logged
+from playbook import playbook
+from test_jobs import CKPT, FIRST_STEPS, SECRETS, STATE, show, steps_logged
 from waiting import wait_for
 
 UNIT = "verl-train@smoke.service"
 TRACKER = f"{CKPT}/latest_checkpointed_iteration.txt"
 ENV = "/etc/verl/jobs/smoke.env"
-# After test_jobs.py the smoke job's checkpoints end at step 4. A CPU step of the
-# smoke model takes about half a second: the tests watch the tracker file inside
-# the host (a tight loop there), not the journal, to act at the right moment.
+# After test_jobs.py the smoke job's checkpoints end at step FIRST_STEPS (2). A CPU
+# step of the smoke model takes about half a second: the tests watch the tracker file
+# inside the host (a tight loop there), not the journal, to act at the right moment.
 KILL_AT, LAST = 6, 20
 WAIT_S = 900
 
@@ -64,10 +69,32 @@ def ended(host, unit=UNIT):
     return state["ActiveState"] in ("inactive", "failed")
 
 
+# The smoke job as molecule.yml declares it, total_steps raised: what a user converges.
+SMOKE_RAISED = {
+    "name": "smoke",
+    "model_path": "/var/lib/verl/smoke/model",
+    "train_files": "/var/lib/verl/smoke/data/train.parquet",
+    "val_files": "/var/lib/verl/smoke/data/test.parquet",
+    "total_steps": LAST,
+    "save_freq": 1,
+    "profile": "cpu",
+    "train_batch_size": 4,
+    "prompt_length": 128,
+    "response_length": 16,
+    "overrides": ["actor_rollout_ref.actor.use_kl_loss=True"],
+    "secrets": SECRETS,
+}
+
+
 @pytest.fixture(scope="module")
 def kill_stop_resume(host):
-    """One run of the smoke job to step 20: killed, repaired, restarted, stopped, resumed."""
-    host.check_output(f"sed -i \"s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='{LAST}'/\" {ENV}")
+    """One run of the smoke job to step 20, after the user raised total_steps and
+    converged: resumed from test_jobs.py's checkpoint, killed, repaired, restarted,
+    stopped, resumed."""
+    converge = playbook("-e", json.dumps({"verl_jobs": [SMOKE_RAISED]}), "--tags", "verl_jobs")
+    assert converge.rc == 0, converge.output[-3000:]
+    assert f"VERL_JOB_TOTAL_STEPS='{LAST}'" in host.file(ENV).content_string
+    started = cursor(host)
     # The unit waits 60 s before a restart; the test 10 s (the restart itself is systemd's).
     # And until the stop below, 30 s for what a SIGKILL leaves: systemd in this container
     # (cgroup v1, no empty-cgroup notification) waits out TimeoutStopSec after a kill that
@@ -83,6 +110,7 @@ def kill_stop_resume(host):
     # SIGKILL to every process of the job (verl, Ray's workers), as a crash would.
     until_tracker(host, KILL_AT, f"systemctl kill --signal=KILL {UNIT}")
     killed = cursor(host)
+    before_kill = journal(host, started)
     host.check_output("sleep 1")
     last = int(host.file(TRACKER).content_string.strip())
     # The worst a kill during a save leaves: verl's tracker truncated by its open("w")
@@ -108,6 +136,8 @@ def kill_stop_resume(host):
     host.check_output(f"systemctl start {UNIT}")
     wait_for("the end of the run", lambda: ended(host), every=5)
     return {
+        "converge_changed": converge.recap("jobs-host")["changed"],
+        "before_kill": before_kill,
         "last": last,
         "restarts": restarts,
         "after_kill": after_kill,
@@ -119,6 +149,17 @@ def kill_stop_resume(host):
         "ps": seen,
         "environ": environ,
     }
+
+
+def test_start_after_raising_total_steps_resumes_from_the_checkpoint(kill_stop_resume):
+    run = kill_stop_resume
+    assert run["converge_changed"] >= 1  # the env file took the new total_steps
+    text = run["before_kill"]
+    # The step counter continues from test_jobs.py's checkpoint; it does not restart at 1.
+    assert f"Setting global step to {FIRST_STEPS}" in text, text[-3000:]
+    steps = sorted(steps_logged(text))
+    assert steps and steps[0] == FIRST_STEPS + 1, text[-3000:]
+    assert set(range(FIRST_STEPS + 1, KILL_AT + 1)) <= set(steps), text[-3000:]
 
 
 def test_sigkill_restarts_and_resumes_from_the_last_complete_checkpoint(kill_stop_resume):
@@ -171,6 +212,9 @@ def test_run_after_the_stop_resumes_and_finishes(host, kill_stop_resume):
 
 # (what the env file gets, what the journal must say): a field the engine refuses, and
 # overrides that break a rule verl 0.5.0 would assert only in its workers, minutes later.
+# With RestartSec=1s, a restart that was coming has come after 4 s (systemd's timer, not
+# the job's speed); each case waits this long once the unit failed.
+NO_RESTART_S = 4
 CONFIG_ERRORS = {
     "total-steps": (
         "s/^VERL_JOB_TOTAL_STEPS=.*/VERL_JOB_TOTAL_STEPS='zero'/",
@@ -194,7 +238,7 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host, cas
         f" && chown root:verl {env} && chmod 0640 {env}"
     )
     assert host.file(env).content_string != host.file(ENV).content_string.replace("smoke", "broken")
-    # A restart would come 1 s after the failure: 10 s of no restart is a refusal.
+    # A restart would come 1 s after the failure: NO_RESTART_S of none is a refusal.
     drop_in(host, unit, "RestartSec=1s")
     try:
         since = cursor(host)
@@ -210,7 +254,7 @@ def test_configuration_error_does_not_restart_and_the_journal_says_why(host, cas
                 ).stdout
             ),
         )
-        time.sleep(10)
+        time.sleep(NO_RESTART_S)
         state = show(host, "ActiveState", "Result", "ExecMainStatus", "NRestarts", unit=unit)
         text = journal(host, since, unit)
         assert state["ExecMainStatus"] == "4", text
