@@ -10,12 +10,11 @@ export PATH := $(VENV)/bin:$(PATH)
 export OLDGPU_CACHE ?= /var/cache/oldgpu
 export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
-# Every scenario, fleet right after jobs: its three hosts start from the image of
-# the jobs scenario's converged host (molecule/fleet/image.sh). jobs and fleet run
-# beside the others (scripts/molecule-all.sh: two lanes; OLDGPU_MOLECULE_LANES=1
-# runs them one after another).
-ALL_SCENARIOS := $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
-SCENARIOS ?= $(patsubst jobs,jobs fleet,$(filter-out fleet,$(ALL_SCENARIOS)))
+# Every scenario. The fleet's three hosts start from the image of the jobs
+# scenario's converged host (molecule/fleet/image.sh): scripts/molecule-all.sh runs
+# jobs in one lane and the others, then the fleet once that image is ready, in the
+# other (OLDGPU_MOLECULE_LANES=1 runs them one after another).
+SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 
 .PHONY: help host-packages bootstrap image prepare lint unit nix molecule test demo demo-destroy lock clean
 
@@ -56,12 +55,15 @@ molecule: image
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
 # What unit and molecule fetch or build (the image, the wheelhouse for both locks,
-# the engine's venv, the verl mirror), made once before they run side by side.
-prepare: image
-	@scripts/wheelhouse.sh
-	@scripts/wheelhouse.sh files/requirements/vllm.lock
-	@scripts/engine-venv.sh >/dev/null
-	@scripts/verl-mirror.sh >/dev/null
+# the engine's venv, the verl mirror), made once before they run side by side. On a
+# fresh machine the image's debootstrap and the verl mirror run beside the downloads
+# (each is a no-op once its stamp or label is current).
+prepare: bootstrap
+	@scripts/build-test-image.sh & image=$$!; \
+	scripts/verl-mirror.sh >/dev/null & mirror=$$!; \
+	if scripts/wheelhouse.sh && scripts/wheelhouse.sh files/requirements/vllm.lock && \
+	  scripts/engine-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
+	wait $$image || rc=1; wait $$mirror || rc=1; exit $$rc
 
 # Each stage timed (scripts/test-stages.sh prints a table at the end). unit+molecule:
 # the unit tests (one process) run beside the scenarios, not before them.

@@ -1,0 +1,234 @@
+"""``make test``'s drivers: scripts/test-stages.sh (the stage table on every run) and
+scripts/molecule-all.sh (the lanes, the fleet after this run's jobs image, verdicts).
+
+Both run for real against stand-ins: a Makefile whose targets pass, fail or hang, and
+a ``molecule`` on PATH that logs what it was asked and when.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ROOT / "scripts" / "test-stages.sh"
+MOLECULE_ALL = ROOT / "scripts" / "molecule-all.sh"
+
+MAKEFILE = """\
+ok:
+\t@echo fine
+bad:
+\t@exit 3
+slow:
+\t@sleep 30
+molecule:
+\t@echo "molecule/jobs 12 3 passed" >> $$OLDGPU_STAGE_TIMES
+\t@echo "molecule/fleet 7 FAILED" >> $$OLDGPU_STAGE_TIMES
+"""
+
+
+def stages(tmp_path: Path, *names: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    (tmp_path / "Makefile").write_text(MAKEFILE)
+    env = dict(os.environ, OLDGPU_CACHE=str(cache or tmp_path / "cache"))
+    return subprocess.run(
+        ["bash", str(STAGES), *names],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def table(out: str) -> dict[str, tuple[int, str]]:
+    """{row name: (seconds, verdict)} from the table after '[stage] times'."""
+    rows = {}
+    for line in out.split("[stage] times", 1)[1].splitlines()[1:]:
+        m = re.match(r"\s+(\S+)\s+(\d+) s\s*(.*)$", line)
+        if m:
+            rows[m.group(1)] = (int(m.group(2)), m.group(3).strip())
+    return rows
+
+
+def test_a_passing_run_prints_every_stage_and_the_scenarios_under_molecule(tmp_path):
+    run = stages(tmp_path, "ok", "molecule+ok")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "[stage] caches in" in run.stdout and ": cold" in run.stdout
+    rows = table(run.stdout)
+    assert list(rows) == [
+        "ok",
+        "molecule",
+        "molecule/jobs",
+        "molecule/fleet",
+        "(molecule+ok)",
+        "total",
+    ]
+    assert rows["molecule/jobs"] == (12, "3 passed")
+    assert rows["molecule/fleet"] == (7, "FAILED")
+    assert rows["total"][1] == "passed"
+    # The scenarios' rows are indented under molecule's.
+    text = run.stdout.split("[stage] times", 1)[1]
+    assert re.search(r"^    molecule/jobs ", text, re.M)
+
+
+def test_a_failed_stage_still_prints_the_table_and_names_it(tmp_path):
+    run = stages(tmp_path, "ok", "bad", "ok")
+    assert run.returncode == 1
+    rows = table(run.stdout)
+    assert rows["bad"][1] == "FAILED"
+    assert rows["total"][1] == "FAILED"
+    assert list(rows) == ["ok", "bad", "total"]  # nothing ran after the failure
+
+
+def test_a_failed_side_by_side_stage_marks_the_part_and_the_pair(tmp_path):
+    run = stages(tmp_path, "ok+bad")
+    assert run.returncode == 1
+    rows = table(run.stdout)
+    assert rows["ok"][1] == "" and rows["bad"][1] == "FAILED"
+    assert rows["(ok+bad)"][1] == "FAILED"
+
+
+def test_a_run_stopped_from_outside_prints_the_table_with_the_stage_it_was_in(tmp_path):
+    (tmp_path / "Makefile").write_text(MAKEFILE)
+    env = dict(os.environ, OLDGPU_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        ["bash", str(STAGES), "ok", "slow"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGTERM)  # as CI's time limit ends the run
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    rows = table(out)
+    assert rows["slow"][1] == "stopped", out
+    assert rows["total"][1] == "FAILED"
+
+
+def test_the_cache_state_is_read_from_what_a_fresh_machine_lacks(tmp_path):
+    cache = tmp_path / "cache"
+    for d in ("podman/storage", "wheelhouse", "venvs"):
+        (cache / d).mkdir(parents=True)
+    assert ": warm" in stages(tmp_path, "ok", cache=cache).stdout
+    (cache / "venvs").rmdir()
+    assert "partly warm (podman/storage wheelhouse)" in stages(tmp_path, "ok", cache=cache).stdout
+
+
+# A molecule stand-in: logs "start NAME t" and "end NAME t"; the jobs scenario touches
+# the fleet's mark half-way (its side_effect step) unless FAKE_JOBS_FAIL is "early";
+# FAKE_JOBS_FAIL=late fails it after the mark.
+FAKE_MOLECULE = """\
+#!/usr/bin/env bash
+s=$3
+echo "start $s $(date +%s.%N)" >> "$FAKE_LOG"
+case $s in
+  jobs)
+    [[ ${FAKE_JOBS_FAIL:-} == early ]] && { echo "converge failed"; exit 1; }
+    sleep 1; touch "$OLDGPU_JOBS_IMAGE_READY"; sleep 2
+    [[ ${FAKE_JOBS_FAIL:-} == late ]] && { echo "verify failed"; exit 1; } ;;
+  *) sleep 0.5 ;;
+esac
+echo "end $s $(date +%s.%N)" >> "$FAKE_LOG"
+echo "===== 3 passed in 0.5s ====="
+"""
+
+
+def molecule_all(tmp_path: Path, *scenarios: str, **env: str):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "molecule"
+    fake.write_text(FAKE_MOLECULE)
+    fake.chmod(0o755)
+    log = tmp_path / "molecule-calls.log"
+    log.unlink(missing_ok=True)
+    times = tmp_path / "times"
+    times.unlink(missing_ok=True)
+    run = subprocess.run(
+        ["bash", str(MOLECULE_ALL), *scenarios],
+        env=dict(
+            os.environ,
+            PATH=f"{bin_dir}:{os.environ['PATH']}",
+            OLDGPU_CACHE=str(tmp_path / "cache"),
+            OLDGPU_STAGE_TIMES=str(times),
+            FAKE_LOG=str(log),
+            **env,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    calls = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        what, name, t = line.split()
+        calls[(what, name)] = float(t)
+    return run, calls, times.read_text() if times.exists() else ""
+
+
+def test_the_fleet_waits_for_this_runs_jobs_image_and_runs_after_the_others(tmp_path):
+    run, calls, times = molecule_all(tmp_path, "default", "fleet", "jobs", "nvidia")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "two lanes: jobs | default nvidia fleet" in run.stdout
+    # The fleet starts only after the jobs scenario's mark, and after the other lane's
+    # scenarios; it does not wait for the jobs scenario's tests to end.
+    assert calls[("start", "fleet")] >= calls[("start", "jobs")] + 1
+    assert calls[("start", "fleet")] >= calls[("end", "nvidia")]
+    assert calls[("start", "fleet")] < calls[("end", "jobs")]
+    assert calls[("start", "default")] < calls[("end", "jobs")]  # the lanes overlap
+    for s in ("default", "fleet", "jobs", "nvidia"):
+        assert re.search(rf"^molecule/{s} \d+ 3 passed$", times, re.M), times
+
+
+def test_the_fleet_is_skipped_when_jobs_failed_before_its_image(tmp_path):
+    run, calls, times = molecule_all(tmp_path, "jobs", "fleet", "default", FAKE_JOBS_FAIL="early")
+    assert run.returncode == 1
+    assert ("start", "fleet") not in calls
+    assert "fleet skipped" in run.stdout
+    assert re.search(r"^\[molecule\] fleet\s+failed$", run.stdout, re.M)
+    assert "molecule/fleet 0 FAILED (skipped: no jobs image)" in times
+
+
+def test_a_jobs_failure_after_its_image_fails_the_run_but_the_fleet_still_runs(tmp_path):
+    run, calls, _ = molecule_all(tmp_path, "jobs", "fleet", FAKE_JOBS_FAIL="late")
+    assert run.returncode == 1
+    assert ("start", "fleet") in calls and ("end", "fleet") in calls
+    assert re.search(r"^\[molecule\] jobs\s+failed$", run.stdout, re.M)
+    assert re.search(r"^\[molecule\] fleet\s+ok$", run.stdout, re.M)
+
+
+@pytest.mark.parametrize("lanes", ["1", "2"])
+def test_one_lane_runs_the_scenarios_in_order_with_the_fleet_last(tmp_path, lanes):
+    run, calls, _ = molecule_all(tmp_path, "fleet", "jobs", "default", OLDGPU_MOLECULE_LANES=lanes)
+    assert run.returncode == 0, run.stdout + run.stderr
+    if lanes == "1":
+        order = sorted((t, name) for (what, name), t in calls.items() if what == "start")
+        assert [name for _, name in order] == ["jobs", "default", "fleet"]
+    else:
+        assert calls[("start", "fleet")] > calls[("end", "default")]
+
+
+def test_a_scenario_that_ran_no_test_fails(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "molecule").write_text("#!/bin/sh\necho 'collected 0 items'\n")
+    (bin_dir / "molecule").chmod(0o755)
+    run = subprocess.run(
+        ["bash", str(MOLECULE_ALL), "default"],
+        env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OLDGPU_CACHE=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert "default ran no test" in run.stdout
