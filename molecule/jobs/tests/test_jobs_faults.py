@@ -27,16 +27,26 @@ ENV = "/etc/verl/jobs/smoke.env"
 # inside the host (a tight loop there), not the journal, to act at the right moment.
 KILL_AT, LAST = 6, 20
 WAIT_S = 900
+# What the tests saw inside the host while the job ran (ps, the job's environ, restarts).
+SEEN = "/run/oldgpu-test"
 
 
-def until_tracker(host, at, then="", timeout=WAIT_S):
-    """Block (inside the host) until verl's tracker reaches step `at`, then run `then`."""
-    script = (
+def tracker_wait(at, then="", timeout=WAIT_S):
+    """Shell (for inside the host) that waits until verl's tracker reaches step `at`, then
+    runs `then`; false after `timeout` s. (No single quote in `then`: it runs in bash -c.)"""
+    return (
         f"end=$((SECONDS + {timeout})); while [ $SECONDS -lt $end ]; do"
         f' t=$(cat {TRACKER} 2>/dev/null); case $t in ""|*[!0-9]*) t=0;; esac;'
         f" [ $t -ge {at} ] && break; sleep 0.05; done; [ $t -ge {at} ] && {{ {then or ':'}; }}"
     )
-    return host.check_output(f"bash -c '{script}'")
+
+
+def in_host(host, *scripts):
+    """The scripts one after another in one bash inside the host, each only if the one
+    before succeeded. Why one: a CPU step is half a second, and on a loaded test machine
+    a podman exec takes seconds (a run once went from step 5 to its end, step 20, while
+    the test made four separate execs between two steps it meant to act on)."""
+    return host.check_output("bash -c '" + " && ".join(f"{{ {s}; }}" for s in scripts) + "'")
 
 
 # The stop lands while a checkpoint is being written: a global_step_N newer than
@@ -101,16 +111,22 @@ def kill_stop_resume(host):
     # took the main process too (a host on cgroup v2 is told at once).
     drop_in(host, UNIT, "RestartSec=10s", "TimeoutStopSec=30s")
     host.check_output(f"systemctl start {UNIT}")
-    until_tracker(host, 5)
-    # What anyone on the host sees of the running job, and what the job itself got.
-    pid = show(host, "MainPID")["MainPID"]
-    seen = host.check_output("ps -eo user,pid,args --cols 10000")
-    # (as the job's user: root here lacks CAP_SYS_PTRACE, which another user's environ needs)
-    environ = host.check_output(f"runuser -u verl -- cat /proc/{pid}/environ").replace("\0", "\n")
-    # SIGKILL to every process of the job (verl, Ray's workers), as a crash would.
-    until_tracker(host, KILL_AT, f"systemctl kill --signal=KILL {UNIT}")
+    # At step 5, what anyone on the host sees of the running job and what the job itself
+    # got (its environ as the job's user: root here lacks CAP_SYS_PTRACE, which another
+    # user's environ needs); at KILL_AT, SIGKILL to every process of the job (verl, Ray's
+    # workers), as a crash would.
+    in_host(
+        host,
+        f"mkdir -p {SEEN}",
+        tracker_wait(
+            5,
+            f"pid=$(systemctl show -p MainPID --value {UNIT});"
+            f" ps -eo user,pid,args --cols 10000 > {SEEN}/ps;"
+            f' runuser -u verl -- cat /proc/$pid/environ | tr "\\000" "\\n" > {SEEN}/environ',
+        ),
+        tracker_wait(KILL_AT, f"systemctl kill --signal=KILL {UNIT}"),
+    )
     killed = cursor(host)
-    before_kill = journal(host, started)
     host.check_output("sleep 1")
     last = int(host.file(TRACKER).content_string.strip())
     # The worst a kill during a save leaves: verl's tracker truncated by its open("w")
@@ -121,14 +137,23 @@ def kill_stop_resume(host):
         f" head -c 4096 /dev/urandom > global_step_{last + 1}/actor/partial.pt;"
         f" chown -R verl:verl {CKPT}"
     )
-    # systemd restarts it (Restart=on-failure); it trains on; a stop lands in a save.
-    until_tracker(host, last + 3)
-    restarts = int(show(host, "NRestarts")["NRestarts"])
-    drop_in(host, UNIT, "RestartSec=10s")  # the stop runs under the unit's own 300 s
-    stop = host.check_output(
-        "bash -c '" + STOP_IN_A_SAVE.format(tracker=TRACKER, ckpt=CKPT, unit=UNIT) + "'"
+    before_kill = journal(host, started)
+    # systemd restarts it (Restart=on-failure); once the restarted run has saved a step,
+    # the drop-in loses its 30 s TimeoutStopSec (the stop runs under the unit's own 300 s)
+    # and a stop lands in a save.
+    d = f"/etc/systemd/system/{UNIT}.d"
+    stop = in_host(
+        host,
+        tracker_wait(
+            last + 1,
+            f"systemctl show -p NRestarts --value {UNIT} > {SEEN}/restarts;"
+            f' printf "%s\\n" "[Service]" "RestartSec=10s" > {d}/test.conf;'
+            " systemctl daemon-reload",
+        ),
+        STOP_IN_A_SAVE.format(tracker=TRACKER, ckpt=CKPT, unit=UNIT),
     ).split()
     stopped = cursor(host)
+    restarts = int(host.file(f"{SEEN}/restarts").content_string.strip())
     newest = host.check_output(f"ls {CKPT} | sed -n 's/^global_step_//p' | sort -n | tail -n1")
     tracker_at_stop = host.file(TRACKER).content_string.strip()
     data_at_stop = host.file(f"{CKPT}/global_step_{newest.strip()}/data.pt").exists
@@ -146,8 +171,8 @@ def kill_stop_resume(host):
         "at_stop": (newest.strip(), tracker_at_stop, data_at_stop),
         "after_stop": journal(host, stopped),
         "result": show(host, "Result", "ExecMainStatus"),
-        "ps": seen,
-        "environ": environ,
+        "ps": host.file(f"{SEEN}/ps").content_string,
+        "environ": host.file(f"{SEEN}/environ").content_string,
     }
 
 
