@@ -19,6 +19,8 @@ row() { rows+=("$(printf '%-18s %6d s  %s' "$1" "$2" "${3:-}")"); }
 # The table, whatever ended the run; the scenarios' rows under molecule's.
 table() {
   local rc=$? r name secs verdict
+  # make passes a TERM on to its children: a second one must not cut the table short.
+  trap '' TERM INT
   [[ -z $running ]] || row "$running" $((SECONDS - start)) "stopped"
   echo "[stage] times ($cache_state caches):"
   for r in "${rows[@]}"; do
