@@ -184,7 +184,8 @@ def test_start_after_raising_total_steps_resumes_from_the_checkpoint(kill_stop_r
     assert f"Setting global step to {FIRST_STEPS}" in text, text[-3000:]
     steps = sorted(steps_logged(text))
     assert steps and steps[0] == FIRST_STEPS + 1, text[-3000:]
-    assert set(range(FIRST_STEPS + 1, KILL_AT + 1)) <= set(steps), text[-3000:]
+    # (Step KILL_AT's own line comes after its save, which the kill may cut off.)
+    assert set(range(FIRST_STEPS + 1, KILL_AT)) <= set(steps), text[-3000:]
 
 
 def test_sigkill_restarts_and_resumes_from_the_last_complete_checkpoint(kill_stop_resume):
