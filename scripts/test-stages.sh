@@ -23,12 +23,15 @@ table() {
   trap '' TERM INT
   [[ -z $running ]] || row "$running" $((SECONDS - start)) "stopped"
   echo "[stage] times ($cache_state caches):"
+  local shown=''
   for r in "${rows[@]}"; do
     printf '  %s\n' "$r"
-    if [[ $r == "molecule "* && -s $OLDGPU_STAGE_TIMES ]]; then
+    # The scenarios under molecule's row, or under the stage that was stopped in it.
+    if [[ -z $shown && ($r == "molecule "* || $r == *" stopped") && -s $OLDGPU_STAGE_TIMES ]]; then
       while read -r name secs verdict; do
         printf '    %-16s %6d s  %s\n' "$name" "$secs" "$verdict"
       done <"$OLDGPU_STAGE_TIMES"
+      shown=1
     fi
   done
   printf '  %-18s %6d s  %s\n' total $((SECONDS - total)) "$( ((rc == 0)) && echo passed || echo FAILED)"
