@@ -12,8 +12,8 @@ export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
 # Every scenario. The fleet's three hosts start from the image of the jobs
 # scenario's converged host (molecule/fleet/image.sh): scripts/molecule-all.sh runs
-# jobs in one lane and the others, then the fleet once that image is ready, in the
-# other (OLDGPU_MOLECULE_LANES=1 runs them one after another).
+# jobs then default in one lane, nvidia then the fleet (once that image is ready) in
+# the other (OLDGPU_MOLECULE_LANES=1 runs them one after another).
 SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 
 .PHONY: help host-packages bootstrap image prepare lint unit nix molecule test demo demo-destroy lock clean
