@@ -27,6 +27,7 @@ KINDS: dict[str, dict[str, Any]] = {
     # smaller than their vocabulary: ids stay below it, the rows past it are never read.
     "bench": {"shape": "qwen2.5-0.5b", "prompt": 256, "response": 256, "rows": 640},
     "bench-1.5b": {"shape": "qwen2.5-1.5b", "prompt": 256, "response": 256, "rows": 640},
+    "bench-3b": {"shape": "qwen2.5-3b", "prompt": 256, "response": 256, "rows": 640},
     "learn": {
         "model": dict(
             hidden_size=256,

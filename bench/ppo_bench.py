@@ -101,6 +101,8 @@ class Setting:
     profile: str = GUARD_PROFILE
     # What the guard allows when the job forces another dtype than the profile's.
     guard_dtype: str = ""
+    # Variables the run's processes get beside the job's (a baseline's switch).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 # Every run: no checkpoint inside the timed steps (a job saves at its last step).
@@ -157,6 +159,16 @@ PROFILE_SMI = {
     "volta": ROOT / "tests" / "data" / "detect" / "v100.nvidia-smi.csv",
 }
 LORA = {"lora_rank": 32, "lora_alpha": 32, "lora_target_modules": []}  # empty: all-linear
+# The baseline of the logits patch set: verl's own logits, log-probs and entropy
+# (compat_logits.py's switch) at the micro batches the planner gave a P40 before it
+# counted them (engine of 2026-12-05: actor and critic micro 2, log-prob micro 16).
+VERLS_OWN_LOGITS = {"OLDGPU_RESPONSE_LOGITS": "off"}
+BEFORE_LOGITS = (
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+)
 
 SETTINGS: dict[str, Setting] = {
     s.name: s
@@ -170,12 +182,25 @@ SETTINGS: dict[str, Setting] = {
             gpu_only=ARTICLE_OFFLOAD,  # verl's offload moves to "cuda": broken on CPU
         ),
         Setting("b", "the planner's for a P40 (PPO, GAE)", overrides=KL_LOSS),
+        Setting(
+            "b-before",
+            "b before the logits patch set: verl's own logits (OLDGPU_RESPONSE_LOGITS=off) "
+            "at the planner's earlier micro batches (2, 2; log-prob 16)",
+            overrides=KL_LOSS + BEFORE_LOGITS,
+            env=VERLS_OWN_LOGITS,
+        ),
         Setting("grpo", "GRPO at the planner's batch", job=dict(GRPO)),
         Setting("grpo-lora", "GRPO + LoRA at the planner's batch", job={**GRPO, **LORA}),
         Setting(
             "grpo-lora-1p5b",
             "GRPO + LoRA, Qwen2.5-1.5B-shaped, at the planner's batch",
             kind="bench-1.5b",
+            job={**GRPO, **LORA},
+        ),
+        Setting(
+            "grpo-lora-3b",
+            "GRPO + LoRA, Qwen2.5-3B-shaped, at the planner's batch",
+            kind="bench-3b",
             job={**GRPO, **LORA},
         ),
         Setting(
@@ -311,6 +336,7 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
     }
     if setting.guard_dtype:
         env["OLDGPU_GUARD_DTYPE"] = setting.guard_dtype
+    env.update(setting.env)
     if os.environ.get("BENCH_MEMORY_PHASES") == "1":
         # The peak per verl phase (guard/phases.py): a calibration run, not a timed one.
         env["OLDGPU_GUARD_MEMORY_PHASES"] = "1"

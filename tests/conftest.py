@@ -6,8 +6,10 @@ overrides applied, a job's files and settings, and the patcher's CLI and sites."
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -135,7 +137,32 @@ def run_in_tree(tree: Path, script: str) -> subprocess.CompletedProcess:
     )
 
 
+def run_patched(
+    tree: Path, tmp_path: Path, profile: str, script: str, env: dict[str, str] | None = None
+) -> list[str]:
+    """Patch ``tree`` for ``profile``, run ``script`` in it with ``env`` set first (its
+    ``sys.argv[1]`` a fresh file for a process group's rendezvous); its output's lines."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["patch", str(tree), "--profile", profile, "--json"]) == 0
+    script = script.replace("sys.argv[1]", repr(str(tmp_path / "pg")))
+    if env:
+        script = f"import os; os.environ.update({env!r})\n" + script
+    proc = run_in_tree(tree, script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()
+
+
 # -- the planner -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def verls_own_logits(monkeypatch):
+    """The planner as it was before the logits patch set: for runs measured on trees
+    without it (verl's entropy over whole micro batches, logits over the whole sequence)."""
+    from oldgpu.plan import memory
+
+    monkeypatch.setattr(memory, "ENTROPY_ROWS", None)
+    monkeypatch.setattr(memory, "RESPONSE_LOGITS", False)
 
 
 def plan_inputs(**kw: Any) -> plan.Inputs:

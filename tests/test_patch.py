@@ -101,6 +101,8 @@ def test_json_report_shape(verl_tree: Path, capsys) -> None:
         "hf-rollout-param-offload",
         "hf-rollout-one-sequence",
         "hf-rollout-lora-wrap",
+        "entropy-by-rows",
+        "response-logits",
         "compat-module",
     }
     sites = {p["name"]: p["sites"] for p in out["patches"]}
@@ -306,6 +308,7 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
         "oldgpu.patch.verl_0_5_0",
         "oldgpu.patch.verl_0_5_0_cpu",
         "oldgpu.patch.verl_0_5_0_fp16",
+        "oldgpu.patch.verl_0_5_0_logits",
     ]
     (extra_patch_sets / "verl_9_9_9.py").write_text(
         "from oldgpu.patch.sitepatch import SitePatch\n\n\n"
@@ -319,8 +322,8 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
     assert patcher.supported_versions() == ["0.5.0", "9.9.9"]
     (later,) = patcher.select_patches("9.9.9", patcher.Options())
     assert (later.name, later.files) == ("later-fix", ("verl/x.py",))
-    # The dtype set and the two HF-rollout fixes GRPO and LoRA need.
-    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 7
+    # The dtype set, the two HF-rollout fixes GRPO and LoRA need, and the logits set.
+    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 9
 
 
 def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Path) -> None:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_in_tree, tree_hashes
+from conftest import run_patched, tree_hashes
 
 from oldgpu import cli
 from oldgpu import patch as patcher
@@ -21,12 +21,7 @@ pytestmark = pytest.mark.slow
 DP_ACTOR = "verl/workers/actor/dp_actor.py"
 DP_CRITIC = "verl/workers/critic/dp_critic.py"
 HF_ROLLOUT = "verl/workers/rollout/hf_rollout.py"
-FP16_PATCHES = (
-    "fp16-loss-scaler",
-    "fp16-hf-rollout",
-    "fp16-entropy-by-rows",
-    "fp16-response-logits",
-)
+FP16_PATCHES = ("fp16-loss-scaler", "fp16-hf-rollout")
 ROLES = {
     DP_ACTOR: ("DataParallelPPOActor", "update_policy", "actor_optimizer", "actor"),
     DP_CRITIC: ("DataParallelPPOCritic", "update_critic", "critic_optimizer", "critic"),
@@ -103,48 +98,6 @@ def test_hf_rollout_generates_inside_the_fp16_copy(verl_tree: Path, capsys) -> N
         "output = DataProto.concat(output)",
         "return output",
     ]
-
-
-def test_actor_entropy_is_computed_by_rows(verl_tree: Path, capsys) -> None:
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "volta")
-    assert code == 0
-    sites = {p["name"]: p["sites"] for p in out["patches"]}["fp16-entropy-by-rows"]
-    # verl 0.5.0's padded path: the direct call and the one under entropy_checkpointing
-    assert len(sites) == 2 and {s["file"] for s in sites} == {DP_ACTOR}
-    fn = method(verl_tree, DP_ACTOR, "DataParallelPPOActor", "_forward_micro_batch")
-    text = ast.unparse(fn)
-    assert "verl_F.entropy_from_logits" not in text
-    assert "entropy = oldgpu_compat.entropy_by_rows(logits)" in text
-    assert "torch.utils.checkpoint.checkpoint(oldgpu_compat.entropy_by_rows, logits)" in text
-    # the remove-padding path (self.compute_entropy_from_logits) is verl's own
-    assert "self.compute_entropy_from_logits(logits_rmpad)" in text
-
-
-# verl's entropy against the patched one: fp16 logits of 3 x 300 response tokens (a
-# chunk of 256 rows and one of 44 per sequence), 1200 rows of (tokens, vocab), and fp32
-# logits (verl's own code, bit for bit).
-ENTROPY_SCRIPT = """
-import torch
-from verl.utils import oldgpu_compat, torch_functional as verl_F
-torch.manual_seed(0)
-full = (torch.randn(3, 400, 1000) * 4).half()
-logits = full[:, -301:-1, :]  # verl's response slice: not contiguous
-ours = oldgpu_compat.entropy_by_rows(logits)
-ref = verl_F.entropy_from_logits(logits.float())
-assert ours.dtype == torch.float32 and ours.shape == (3, 300), (ours.dtype, ours.shape)
-print("fp16", float((ours - ref).abs().max()) < 1e-4)
-flat = full.reshape(-1, 1000)  # the remove-padding path's (tokens, vocab)
-diff = oldgpu_compat.entropy_by_rows(flat) - verl_F.entropy_from_logits(flat.float())
-print("2d", float(diff.abs().max()) < 1e-4)
-x = torch.randn(2, 5, 1000)
-print("fp32", torch.equal(oldgpu_compat.entropy_by_rows(x), verl_F.entropy_from_logits(x)))
-"""
-
-
-@needs_torch
-def test_entropy_by_rows_is_verls_entropy(verl_tree: Path, tmp_path: Path, capsys) -> None:
-    lines = run_on_volta_tree(verl_tree, tmp_path, capsys, ENTROPY_SCRIPT, None)
-    assert lines[-3:] == ["fp16 True", "2d True", "fp32 True"], lines
 
 
 def test_pascal_and_fp32_trees_have_no_scaler(verl_tree: Path, verl_pristine: Path, capsys) -> None:
@@ -252,13 +205,8 @@ def run_on_volta_tree(
     verl_tree: Path, tmp_path: Path, capsys, script: str, dtype: str | None
 ) -> list[str]:
     """Patch the tree for volta, run ``script`` in it (under ``dtype``), return its lines."""
-    run_cli(capsys, str(verl_tree), "--profile", "volta")
-    script = script.replace("sys.argv[1]", repr(str(tmp_path / "pg")))
-    if dtype:
-        script = f"import os; os.environ['OLDGPU_COMPUTE_DTYPE'] = {dtype!r}\n" + script
-    proc = run_in_tree(verl_tree, script)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()
+    env = {"OLDGPU_COMPUTE_DTYPE": dtype} if dtype else None
+    return run_patched(verl_tree, tmp_path, "volta", script, env)
 
 
 @pytest.mark.parametrize(
@@ -356,104 +304,3 @@ def test_hf_rollout_runs_on_fp16_copy(
 ) -> None:
     lines = run_on_volta_tree(verl_tree, tmp_path, capsys, ROLLOUT_SCRIPT, dtype)
     assert lines == [*expected, "after FullyShardedDataParallel (4, 4)", "ok"], lines
-
-
-def test_actor_computes_the_responses_logits_only(verl_tree: Path, capsys) -> None:
-    code, out = run_cli(capsys, str(verl_tree), "--profile", "volta")
-    assert code == 0
-    sites = {p["name"]: p["sites"] for p in out["patches"]}["fp16-response-logits"]
-    assert len(sites) == 2 and {s["function"] for s in sites} == {
-        "DataParallelPPOActor._forward_micro_batch"
-    }
-    text = ast.unparse(method(verl_tree, DP_ACTOR, "DataParallelPPOActor", "_forward_micro_batch"))
-    assert "**extra_args, **oldgpu_compat.response_logits_only(self, response_length))" in text
-    assert "oldgpu_compat.logprobs_by_rows(logits, micro_batch['responses'])" in text
-    # the remove-padding path is verl's own
-    assert "input_ids=input_ids_rmpad, attention_mask=None" in text
-    assert "logprobs_from_logits(logits=logits_rmpad" in text
-
-
-def test_changed_logits_shape_is_refused(verl_tree: Path, capsys) -> None:
-    old = 'log_probs = logprobs_from_logits(logits, micro_batch["responses"])'
-    new = 'log_probs = verl_F.logprobs_from_logits_v2(logits, micro_batch["responses"])'
-    assert "fp16-response-logits" in refused(verl_tree, capsys, DP_ACTOR, old, new)
-
-
-# The patched DataParallelPPOActor._forward_micro_batch on a tiny FSDP-wrapped Qwen2 on
-# CPU under fp16 autocast, against verl's own padded path written out (every position's
-# logits, the response slice, verl's row-wise log_softmax): the same log-probs and
-# parameter gradients, with the model asked for response + 1 positions.
-LOGITS_SCRIPT = """
-import functools
-import sys
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from transformers import Qwen2Config, Qwen2ForCausalLM
-from verl.utils import oldgpu_compat, torch_functional as verl_F
-from verl.workers.actor.dp_actor import DataParallelPPOActor
-
-torch.manual_seed(0)
-cfg = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-actor = FSDP(Qwen2ForCausalLM(cfg), device_id=torch.device("cpu"), use_orig_params=False)
-shapes = []
-forward = Qwen2ForCausalLM.forward
-@functools.wraps(forward)  # the same signature: the patch reads it
-def spy(self, *args, **kwargs):
-    out = forward(self, *args, **kwargs)
-    shapes.append(tuple(out.logits.shape))
-    return out
-Qwen2ForCausalLM.forward = spy
-
-worker = DataParallelPPOActor.__new__(DataParallelPPOActor)
-worker.actor_module, worker.device_name = actor, "cpu"
-worker.use_remove_padding = worker.use_fused_kernels = worker.use_ulysses_sp = False
-b, prompt, resp = 2, 7, 300  # two chunks of the response: 256 + 44 tokens
-ids = torch.randint(1, 300, (b, prompt + resp))
-mask = torch.ones_like(ids)
-mask[0, :3] = 0  # a left-padded prompt
-pos = (mask.cumsum(-1) - 1).clamp(min=0)
-batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -resp:]}
-w = torch.randn(b, resp)
-
-def grads(logp):
-    actor.zero_grad()
-    (logp * w).sum().backward()
-    return torch.cat([p.grad.flatten() for p in actor.parameters()])
-
-_, ours = worker._forward_micro_batch(batch, temperature=0.7)
-g_ours = grads(ours)
-on = oldgpu_compat.autocast_enabled()
-with torch.autocast("cpu", dtype=oldgpu_compat.autocast_dtype(), enabled=on):
-    logits = actor(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    logits.div_(0.7)
-    ref = verl_F.logprobs_from_logits(logits[:, -resp - 1 : -1, :], batch["responses"])
-g_ref = grads(ref)
-print("shapes", shapes)
-print("dtype", ours.dtype, "logprobs", bool((ours - ref).abs().max() < 2e-2))
-# fp16 rounding apart (measured 5e-4, fp16's half step; a wrong gradient is off by ~1)
-rel = float((g_ours - g_ref).norm() / g_ref.norm())
-print("grads", rel < 4e-3)
-print("relative difference", rel)
-"""
-
-
-@needs_torch
-@pytest.mark.parametrize(
-    ("dtype", "kept"),
-    [
-        (None, 301),  # fp16: the response + 1 positions
-        ("fp32", 307),  # an fp16 tree run as fp32: every position, verl's log-probs
-    ],
-)
-def test_response_logits_are_verls_log_probs(
-    verl_tree: Path, tmp_path: Path, capsys, dtype: str | None, kept: int
-) -> None:
-    lines = run_on_volta_tree(verl_tree, tmp_path, capsys, LOGITS_SCRIPT, dtype)
-    assert lines[-4:-1] == [
-        f"shapes [(2, {kept}, 300), (2, 307, 300)]",
-        "dtype torch.float32 logprobs True",
-        "grads True",
-    ], lines

@@ -407,7 +407,7 @@ def test_cli_largest(plan_cli):
     assert row["peak_mib"] == doc["plan"]["estimate"]["peak_mib"] <= doc["cap_mib"]
     code, out = plan_cli(*CARD, "--largest")
     assert code == 0
-    assert out.splitlines()[0].endswith("peak 22365 MiB in actor_log_prob)")  # today's P40 plan
+    assert out.splitlines()[0].endswith("peak 22219 MiB in actor_update)")  # today's P40 plan
 
 
 def test_cli_largest_when_nothing_fits(plan_cli):

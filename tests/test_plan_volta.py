@@ -27,15 +27,7 @@ VOLTA_MEASURED = {
 }
 
 
-@pytest.fixture
-def verls_own_entropy(monkeypatch):
-    """These runs predate the fp16-entropy-by-rows and fp16-response-logits patches:
-    verl's entropy, whole micro batches at once, and logits over the whole sequence."""
-    monkeypatch.setattr(memory, "FP16_ENTROPY_ROWS", None)
-    monkeypatch.setattr(memory, "FP16_RESPONSE_LOGITS", False)
-
-
-@pytest.mark.usefixtures("verls_own_entropy")
+@pytest.mark.usefixtures("verls_own_logits")
 @pytest.mark.parametrize("name", sorted(VOLTA_MEASURED))
 def test_volta_runs_allocated_peak(name):
     dtype, choice, allocated = VOLTA_MEASURED[name]
@@ -46,7 +38,7 @@ def test_volta_runs_allocated_peak(name):
     assert 0.98 * allocated <= est <= 1.05 * allocated, {k: v.allocated for k, v in phases.items()}
 
 
-@pytest.mark.usefixtures("verls_own_entropy")
+@pytest.mark.usefixtures("verls_own_logits")
 def test_fp16_peak_is_the_entropy_of_the_log_prob_phase():
     """What the three fp16 runs share (log-prob micro 16) sets their peak, and their first
     step's peak (18.47 GiB, verl's perf/max_memory_allocated_gb at step 1, before the
@@ -77,23 +69,23 @@ def test_fp16_peak_is_the_entropy_of_the_log_prob_phase():
 
 
 def test_entropy_rows_are_the_patchs() -> None:
-    """The planner's chunk is the one compat_fp16.py's entropy_by_rows uses."""
+    """The planner's chunk is the one compat_logits.py's entropy_by_rows uses."""
     import ast
     from importlib import resources
 
-    text = (resources.files("oldgpu.patch") / "compat_fp16.py").read_text()
+    text = (resources.files("oldgpu.patch") / "compat_logits.py").read_text()
     (value,) = [
         n.value.value
         for n in ast.parse(text).body
         if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ENTROPY_ROWS"
     ]
-    assert value == memory.FP16_ENTROPY_ROWS
+    assert value == memory.ENTROPY_ROWS
 
 
 def test_v100_32gb_plan_at_batch_256() -> None:
-    """fp16 (entropy by rows, the response's logits only): micro 16 and log-prob micro
-    64; fp32: 4 and 8. The update keeps no fp32 copy of the response logits and its
-    logits are the response's + 1 positions, so the actor's micro batch doubles."""
+    """fp16: micro 16 and log-prob micro 64; fp32: 8 and 32 (both with the logits patch
+    set: the entropy by rows, the response's logits only). fp16's update keeps no fp32
+    copy of the response logits; both dtypes' logits are the response's + 1 positions."""
     got = {}
     for dtype in ("fp16", "fp32"):
         inp = inputs(
@@ -105,7 +97,7 @@ def test_v100_32gb_plan_at_batch_256() -> None:
         )
         c = plan.plan(inp).choice
         got[dtype] = (c.train_batch_size, c.actor_micro, c.critic_micro, c.log_prob_micro)
-    assert got == {"fp16": (256, 16, 16, 64), "fp32": (256, 4, 4, 8)}
+    assert got == {"fp16": (256, 16, 16, 64), "fp32": (256, 8, 8, 32)}
     phases = plan.estimate(
         inputs(memory_mib=32768, compute_dtype="fp16"),
         plan.Choice(256, 64, 16, 16, 64, True, plan.Offload()),
@@ -121,9 +113,17 @@ def test_v100_32gb_plan_at_batch_256() -> None:
     assert "fp32_response_logits" not in back
 
 
-def test_response_logits_are_fp16_only() -> None:
-    """fp32 (the P40's and the baseline's) plans logits over the whole sequence, as verl
-    computes them there; the fp16 patch set is not in that tree."""
+def test_response_logits_are_every_dtypes() -> None:
+    """fp32 (the P40's) plans the logits of the response + 1 positions and a chunk's
+    recomputed softmax, as fp16 does; without the patch set, the whole sequence."""
+    choice = plan.Choice(256, 64, 4, 4, 8, True, plan.Offload())
+    back = plan.estimate(inputs(memory_mib=32768), choice)["actor_update"].moments["backward"]
+    assert back["logits"] == pytest.approx(3 * 4 * 257 * 151936 * 4 / 2**20, rel=1e-3)
+    assert back["fp32_logits_chunk"] == pytest.approx(2 * 256 * 151936 * 4 / 2**20, rel=1e-3)
+
+
+@pytest.mark.usefixtures("verls_own_logits")
+def test_without_the_patch_set_fp32_logits_cover_the_sequence() -> None:
     choice = plan.Choice(256, 64, 4, 4, 8, True, plan.Offload())
     back = plan.estimate(inputs(memory_mib=32768), choice)["actor_update"].moments["backward"]
     assert back["logits"] == pytest.approx(3 * 4 * 512 * 151936 * 4 / 2**20, rel=1e-3)

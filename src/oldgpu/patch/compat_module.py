@@ -1,7 +1,7 @@
 """The compat module oldgpu adds to the tree (``verl/utils/oldgpu_compat.py``): its name,
 its rendering with the profile's values baked in, and the import that patched files need.
-Its source is ``compat.py`` beside this file (and ``compat_cpu.py`` for cpu trees,
-``compat_fp16.py`` for fp16 ones)."""
+Its source is ``compat.py`` beside this file with ``compat_logits.py`` (and
+``compat_cpu.py`` for cpu trees, ``compat_fp16.py`` for fp16 ones)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def render_compat(options: Options) -> bytes:
     if baked:
         raise RuntimeError(f"compat.py lacks {sorted(baked)}")
     rendered = apply_edits(data, edits)
+    # the logits patch set's helpers (verl_0_5_0_logits.py), for every tree
+    logits = (resources.files("oldgpu.patch") / "compat_logits.py").read_bytes()
+    rendered = rendered.rstrip(b"\n") + b"\n\n\n" + logits
     if options.device == "cpu":  # the cpu patch set's helpers, for cpu trees only
         cpu = (resources.files("oldgpu.patch") / "compat_cpu.py").read_bytes()
         rendered = rendered.rstrip(b"\n") + b"\n\n\n" + cpu

@@ -1,6 +1,6 @@
 """The fp16 patch set for verl 0.5.0: a loss scaler on the actor's and critic's updates,
-the HF rollout on an fp16 copy of the actor, the actor's entropy by rows, and the
-logits of the response only.
+and the HF rollout on an fp16 copy of the actor (the logits of the response only and
+the entropy by rows, which began here, are every profile's: verl_0_5_0_logits.py).
 
 These join only for compute dtype fp16 (the volta and turing profiles), on top of the
 dtype/attention set, whose autocast sites already follow the profile's dtype. verl
@@ -17,18 +17,6 @@ overflow, which is what users of V100/T4 reported. Upstream added FSDP's
 The HF rollout (``fp16-hf-rollout``): ``HFRollout.generate_sequences`` generates inside
 ``oldgpu_compat.fp16_rollout(self)``, which swaps the FSDP actor for an fp16 copy cast
 once per call (autocast over the fp32 weights re-casts them at every decoding step).
-
-The entropy (``fp16-entropy-by-rows``): ``_forward_micro_batch`` calls
-``oldgpu_compat.entropy_by_rows`` for ``verl_F.entropy_from_logits``: the same formula,
-256 tokens at a time (autocast's three fp32 copies of a micro batch's fp16 logits set
-fp16's peak in the log-prob phase).
-
-The response's logits (``fp16-response-logits``): in the padded path the model call gets
-``**oldgpu_compat.response_logits_only(self, response_length)`` (HF's ``logits_to_keep``:
-the last response + 1 positions, which verl's own slice then cuts to the response), and
-``logprobs_from_logits(logits, ...)`` -> ``oldgpu_compat.logprobs_by_rows`` (fp32 per
-256-token chunk, the softmax recomputed in the backward): the update's logits are half
-as long and no fp32 copy of them is kept, so the actor's micro batch doubles.
 
 Weights and optimizer state stay fp32 (the profile's Hydra overrides keep FSDP's
 param_dtype fp32); only autocast's matmuls run in fp16. The helpers live in
@@ -311,125 +299,7 @@ class Fp16HfRollout(Patch):
             raise VerifyFailed(f"{self.scope}: no `with {self.CONTEXT}:` around the generation")
 
 
-class Fp16EntropyByRows(Patch):
-    name = "fp16-entropy-by-rows"
-    description = (
-        "fp16: the actor's entropy (a log-prob metric) is computed 256 tokens at a time, "
-        "so autocast's fp32 copies of the fp16 logits are a chunk long, not a micro batch's"
-    )
-    versions = VERSIONS
-    files = (DP_ACTOR,)
-    scope = "DataParallelPPOActor._forward_micro_batch"
-    VERL = "verl_F.entropy_from_logits"
-    OURS = _c("entropy_by_rows")
-
-    def applies(self, options: Options) -> bool:
-        return options.compute_dtype == "fp16"
-
-    def _uses(self, src: SourceFile, name: str) -> list[ast.Attribute]:
-        return [a for a in src.in_scope(self.scope, ast.Attribute) if dotted(a) == name]
-
-    def plan(self, src: SourceFile, options: Options) -> list[Change]:
-        # verl 0.5.0's padded path: `verl_F.entropy_from_logits(logits)`, and the same
-        # function handed to torch.utils.checkpoint under entropy_checkpointing.
-        uses = self._uses(src, self.VERL)
-        if not uses:
-            raise SiteNotFound(f"{self.scope}: no {self.VERL}")
-        changes = []
-        for use in uses:
-            start, end = src.span(use)
-            site = Site(src.rel, self.scope, use.lineno, f"{self.VERL} -> {self.OURS}")
-            changes.append(Change(site, (Edit(start, end, self.OURS),)))
-        return changes
-
-    def verify(self, src: SourceFile, options: Options, changes: list[Change]) -> None:
-        if self._uses(src, self.VERL):
-            raise VerifyFailed(f"{self.scope}: {self.VERL} is still used")
-        if len(self._uses(src, self.OURS)) != len(changes):
-            raise VerifyFailed(f"{self.scope}: {self.OURS} is not at every site")
-
-
-class Fp16ResponseLogits(Patch):
-    name = "fp16-response-logits"
-    description = (
-        "fp16: the actor's padded path computes the logits of the response only "
-        "(logits_to_keep) and its log-probs 256 tokens at a time, keeping no fp32 copy "
-        "of the response logits for the backward"
-    )
-    versions = VERSIONS
-    files = (DP_ACTOR,)
-    scope = "DataParallelPPOActor._forward_micro_batch"
-    KEEP = _c("response_logits_only")
-    VERL = "logprobs_from_logits"
-    OURS = _c("logprobs_by_rows")
-
-    def applies(self, options: Options) -> bool:
-        return options.compute_dtype == "fp16"
-
-    def _model_calls(self, src: SourceFile) -> list[ast.Call]:
-        """The padded path's ``self.actor_module(input_ids=input_ids,
-        attention_mask=attention_mask, ...)`` (remove-padding passes attention_mask=None)."""
-        return [
-            c
-            for c in src.in_scope(self.scope, ast.Call)
-            if dotted(c.func) == "self.actor_module"
-            and any(
-                k.arg == "attention_mask" and dotted(k.value) == "attention_mask"
-                for k in c.keywords
-            )
-        ]
-
-    def _logprobs(self, src: SourceFile, name: str) -> list[ast.Call]:
-        """``<name>(logits, ...)``: the padded path's (remove-padding passes keywords)."""
-        return [
-            c
-            for c in src.in_scope(self.scope, ast.Call)
-            if dotted(c.func) == name and c.args and dotted(c.args[0]) == "logits"
-        ]
-
-    def _keeps(self, call: ast.Call) -> list[ast.keyword]:
-        return [
-            k
-            for k in call.keywords
-            if k.arg is None and is_call_to(k.value, self.KEEP, "self", "response_length")
-        ]
-
-    def plan(self, src: SourceFile, options: Options) -> list[Change]:
-        calls = self._model_calls(src)
-        uses = self._logprobs(src, self.VERL)
-        if len(calls) != 1 or len(uses) != 1:
-            raise SiteNotFound(
-                f"{self.scope}: expected one padded-path `self.actor_module(..., "
-                f"attention_mask=attention_mask, ...)` and one `{self.VERL}(logits, ...)`, "
-                f"found {len(calls)} and {len(uses)}"
-            )
-        call, use = calls[0], uses[0]
-        last = (call.args + [k.value for k in call.keywords])[-1]
-        _, end = src.span(last)
-        keep = f"**{self.KEEP}(self, response_length)"
-        start, stop = src.span(use.func)
-        return [
-            Change(
-                Site(src.rel, self.scope, call.lineno, f"the model call gets {keep}"),
-                (Edit(end, end, f", {keep}"),),
-            ),
-            Change(
-                Site(src.rel, self.scope, use.lineno, f"{self.VERL}(logits, ...) -> {self.OURS}"),
-                (Edit(start, stop, self.OURS),),
-            ),
-        ]
-
-    def verify(self, src: SourceFile, options: Options, changes: list[Change]) -> None:
-        calls = self._model_calls(src)
-        if len(calls) != 1 or len(self._keeps(calls[0])) != 1:
-            raise VerifyFailed(f"{self.scope}: the padded model call does not keep logits")
-        if self._logprobs(src, self.VERL) or len(self._logprobs(src, self.OURS)) != 1:
-            raise VerifyFailed(f"{self.scope}: the padded log-probs are not by rows")
-
-
 PATCHES: tuple[Patch, ...] = (
     Fp16LossScaler(),
     Fp16HfRollout(),
-    Fp16EntropyByRows(),
-    Fp16ResponseLogits(),
 )

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
-from oldgpu.plan import recipes
+from oldgpu.plan import memory, recipes
 from oldgpu.plan.inputs import Choice, Inputs
 from oldgpu.plan.memory import (
     AUTOCAST_FP32_LOGITS_COPIES,
@@ -177,11 +177,13 @@ def _reasons(found: Plan) -> dict[str, str]:
         if fp32_logits
         else ""
     )
+    # the positions the model computes logits for: the response's + 1 (response-logits)
+    positions = inp.response_length + 1 if memory.RESPONSE_LOGITS else inp.seq
     r["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] = (
         f"the largest that fits: actor_update {upd.peak:.0f} MiB at its {upd.peak_moment} "
         f"(backward: activations {item(upd, 'backward', 'activations'):.0f}, logits "
         f"{item(upd, 'backward', 'logits'):.0f} = {LOGITS_TRAIN_COPIES:g} x {c.actor_micro} x "
-        f"{inp.seq} x {inp.shape.vocab_size} x {inp.precision.compute} B{autocast}){more}"
+        f"{positions} x {inp.shape.vocab_size} x {inp.precision.compute} B{autocast}){more}"
     )
     alp = ph["actor_log_prob"]
     bigger_lp = next((m for m in reversed(LOG_PROB_MICRO_BATCHES) if m > c.log_prob_micro), None)

@@ -139,17 +139,21 @@ AUTOCAST_FP32_LOGITS_COPIES = 1.0
 # first step, before the actor's Adam state (3.68 GiB) exists: the log-prob phase
 # (22.17 and 18.49 with these terms), not the update, sets the fp16 peak.
 AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES = 3.0
-# The fp16 patch set's fp16-entropy-by-rows computes that entropy this many tokens at a
-# time (compat_fp16.ENTROPY_ROWS; a test keeps the two equal), so the 3 copies are of a
-# chunk, not of the micro batch's responses. None: verl's own entropy (the runs above).
-FP16_ENTROPY_ROWS: int | None = 256
-# The fp16 patch set's fp16-response-logits: the actor's and ref's model calls compute
-# the logits of the last response + 1 positions only (HF's logits_to_keep), not of the
-# whole sequence, and the log-probs go FP16_ENTROPY_ROWS tokens at a time with the
-# softmax recomputed in the backward, so the update keeps no fp32 copy of the response
-# logits (AUTOCAST_FP32_LOGITS_COPIES) but a chunk's fp32 copy and its exp: 2 x rows.
-FP16_RESPONSE_LOGITS = True
-FP16_LOGPROB_CHUNK_COPIES = 2.0
+# The logits patch set's entropy-by-rows (every profile) computes the log-prob phase's
+# entropy this many tokens at a time (compat_logits.ENTROPY_ROWS; a test keeps the two
+# equal), so its copies are of a chunk, not of the micro batch's responses: fp16's 3 fp32
+# copies above, fp32's 2 (the softmax and its product). None: verl's own entropy (the
+# runs measured before the patch).
+ENTROPY_ROWS: int | None = 256
+# The logits patch set's response-logits (every profile): the actor's and ref's model
+# calls compute the logits of the last response + 1 positions only (HF's logits_to_keep),
+# not of the whole sequence, and the log-probs go ENTROPY_ROWS tokens at a time with the
+# softmax recomputed in the backward: the update keeps no fp32 copy of the response
+# logits (AUTOCAST_FP32_LOGITS_COPIES) but a chunk's fp32 copy and its exp, 2 x rows, and
+# LOGITS_TRAIN_COPIES counts response + 1 positions. False: verl's own (the runs measured
+# before the patch).
+RESPONSE_LOGITS = True
+LOGPROB_CHUNK_COPIES = 2.0
 # Log-prob phases: the full logits plus copies over the response (actor: entropy's
 # softmax and its product; ref: one row's logsumexp). Measured exactly: 594 and 445 MiB
 # for one 256 + 256 sequence.
@@ -319,11 +323,16 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     c_micro = min(choice.critic_micro, batch)
     mixed = p.compute != p.master
     autocast = inp.compute_dtype == "fp16"  # FSDP keeps fp32 weights; autocast casts
-    # the actor's and ref's logits: every position, or (fp16-response-logits) the
-    # response's + 1; their log-probs a row (a 256-token chunk) at a time
-    keep = autocast and FP16_RESPONSE_LOGITS
+    # the actor's and ref's logits: every position, or (response-logits) the response's
+    # + 1; their log-probs a row, or a 256-token chunk, at a time
+    keep = RESPONSE_LOGITS
     logit_positions = resp + 1 if keep else seq
-    lp_rows = min(resp, FP16_ENTROPY_ROWS) if keep and FP16_ENTROPY_ROWS else resp
+    lp_rows = min(resp, ENTROPY_ROWS) if keep and ENTROPY_ROWS else resp
+
+    # the entropy's rows at once: a chunk (entropy-by-rows), or the micro batch's responses
+    def entropy_rows(micro: int) -> int:
+        return min(micro * resp, ENTROPY_ROWS) if ENTROPY_ROWS else micro * resp
+
     # LoRA: the ref log-prob is the actor's forward with its adapters disabled (no ref copy)
     actor_phase = phase in ("generate", "actor_log_prob", "actor_update") or (
         lora and phase == "ref_log_prob"
@@ -390,16 +399,14 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         }
         if phase != "critic_values":
             full = micro * logit_positions * vocab * cb
-            if (phase == "actor_log_prob" or lora) and autocast:
+            entropy = phase == "actor_log_prob" or lora  # LoRA's ref pass computes it too
+            if entropy and autocast:  # autocast's fp32 copies, or a row's log_softmax
                 copies = AUTOCAST_LOGPROB_FP32_RESPONSE_COPIES
-                if FP16_ENTROPY_ROWS:  # a chunk's copies, or a row's log_softmax (as the ref)
-                    rows = min(micro * resp, FP16_ENTROPY_ROWS)
-                    extra = max(copies * rows, 2 * lp_rows) * vocab * 4
-                else:
-                    extra = copies * micro * resp * vocab * 4
-            elif phase == "actor_log_prob" or lora:  # LoRA's ref pass computes entropy too
-                extra = LOGITS_ENTROPY_RESPONSE_COPIES * micro * resp * vocab * cb
-            elif autocast:  # a row's (a chunk's) log-probs: its fp32 copy and exp
+                extra = max(copies * entropy_rows(micro), 2 * lp_rows) * vocab * 4
+            elif entropy:
+                copies = LOGITS_ENTROPY_RESPONSE_COPIES
+                extra = max(copies * entropy_rows(micro), 2 * lp_rows) * vocab * cb
+            elif autocast or keep:  # a row's (a chunk's) log-probs: its fp32 copy and exp
                 extra = 2 * lp_rows * vocab * 4
             else:
                 extra = resp * vocab * cb
@@ -424,8 +431,8 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
             back["embedding_grad"] = _mib(EMBEDDING_GRAD_COPIES * embed * cb)
         if actor:
             back["logits"] = _mib(LOGITS_TRAIN_COPIES * micro * logit_positions * vocab * cb)
-            if autocast and FP16_RESPONSE_LOGITS:  # a chunk's softmax, recomputed
-                back["fp32_logits_chunk"] = _mib(FP16_LOGPROB_CHUNK_COPIES * lp_rows * vocab * 4)
+            if keep:  # a chunk's softmax, recomputed
+                back["fp32_logits_chunk"] = _mib(LOGPROB_CHUNK_COPIES * lp_rows * vocab * 4)
             elif mixed:  # autocast's fp32 log_softmax outputs over the response
                 back["fp32_response_logits"] = _mib(
                     AUTOCAST_FP32_LOGITS_COPIES * micro * resp * vocab * 4
