@@ -266,7 +266,9 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
       step (HF generate is launch-bound, so the measuring host's per-token overhead is a
       floor for any GPU);
     - the other phases: 2 x params FLOPs per token per forward plus attention's 4 x
-      layers x seq^2 x hidden per sequence, over the padded sequences; log-prob (actor),
+      layers x seq^2 x hidden per sequence, over the padded sequences, less the
+      lm_head's 2 x vocab x hidden over the prompt's positions in the actor's and ref's
+      forwards where the logits patch set computes the response's only; log-prob (actor),
       the ref's (with a KL term) and the critic's values (GAE) 1 forward each; the
       actor's update 3 (forward, input and weight gradients; 2 with LoRA, whose frozen
       weights get no gradient) plus 1 with gradient checkpointing; the critic's 3 + 1;
@@ -309,12 +311,17 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     decode_step = max((gen_bytes * params + kv_bytes) / bw, 2 * params * seqs / flops)
     host_floor = (r.get("gen_s") or 0) / response
     gen = response * max(decode_step, host_floor)
-    forwards = 1 + int(ref) + int(critic)
-    forwards += (2 if rank > 0 else 3) + int(actor_ckpt)
-    if critic:
-        forwards += 3 + int(critic_ckpt)
+    actor_forwards = 1 + int(ref) + (2 if rank > 0 else 3) + int(actor_ckpt)
+    critic_forwards = 1 + 3 + int(critic_ckpt) if critic else 0
+    forwards = actor_forwards + critic_forwards
     per_seq = 2 * params * seq + 4 * layers * seq * seq * hidden
-    train = forwards * per_seq * seqs / flops
+    # The actor's and ref's lm_head: over the response + 1 positions where the run's tree
+    # has the logits patch set (run["response_logits"], recorded since 2026-12-06),
+    # over every position otherwise (verl's own; the critic's value head is small).
+    head = 2 * config["vocab_size"] * hidden
+    positions = response + 1 if run.get("response_logits") else seq
+    actor_per_seq = per_seq - head * (seq - positions)
+    train = (actor_forwards * actor_per_seq + critic_forwards * per_seq) * seqs / flops
     updates = max(1, batch // mini)
     adam = updates * 28 * (trained + (params if critic else 0)) / bw
     offload = 0.0

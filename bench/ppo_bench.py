@@ -355,6 +355,9 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
         "argv": composed["argv"],
         "start": [str(VERL_TRAIN), DOCTOR_FLAG],
         "env": env,
+        # the tree's logits patch set on (the projection counts the lm_head over the
+        # response's positions) or switched off (verl's own: every position)
+        "response_logits": env.get("OLDGPU_RESPONSE_LOGITS", "on") != "off",
     }
 
 
