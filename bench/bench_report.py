@@ -318,7 +318,7 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     # The actor's and ref's lm_head: over the response + 1 positions where the run's tree
     # has the logits patch set (run["response_logits"], recorded since 2026-12-06),
     # over every position otherwise (verl's own; the critic's value head is small).
-    head = 2 * config["vocab_size"] * hidden
+    head = 2 * min(config["vocab_size"] * hidden, params)
     positions = response + 1 if run.get("response_logits") else seq
     actor_per_seq = per_seq - head * (seq - positions)
     train = (actor_forwards * actor_per_seq + critic_forwards * per_seq) * seqs / flops

@@ -301,14 +301,16 @@ def test_merge_calls_rebuilds_and_compares(pb, tmp_path) -> None:
 
 def test_the_projection_follows_the_recipe(pb) -> None:
     config = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-              "num_key_value_heads": 2, "intermediate_size": 4864}  # fmt: skip
+              "num_key_value_heads": 2, "intermediate_size": 4864,
+              "vocab_size": 151936}  # fmt: skip
     base = ["data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
             "actor_rollout_ref.actor.use_kl_loss=True",
             "actor_rollout_ref.model.enable_gradient_checkpointing=True",
             "critic.model.enable_gradient_checkpointing=True"]  # fmt: skip
 
-    def proj(*extra: str) -> dict:
+    def proj(*extra: str, response_logits: bool = False) -> dict:
         run = {"assets": {"config": config, "params": 494032768}, "argv": [*base, *extra]}
+        run["response_logits"] = response_logits
         return pb.report.project(run, {"gen_s": 10.0}, pb.report.P40)
 
     ppo = proj()
@@ -320,6 +322,11 @@ def test_the_projection_follows_the_recipe(pb) -> None:
     assert lora["forwards_per_sequence"] == 5  # no weight gradients for the frozen base
     assert lora["trained_params"] == 32 * 24 * (2 * 1792 + 2 * (896 + 128) + 3 * (896 + 4864))
     assert ppo["s_per_step"] > grpo["s_per_step"] > lora["s_per_step"]
+    # The logits patch set: the actor's 6 forwards (log-prob, ref, update 3 + recompute)
+    # skip the lm_head over the prompt's 255 positions of 512; the critic's 5 do not.
+    kept = proj(response_logits=True)
+    saved = 6 * 2 * 151936 * 896 * 255 * 256 / (pb.report.P40["fp32_tflops"] * 1e12 * 0.7)
+    assert ppo["compute_s"] - kept["compute_s"] == pytest.approx(saved, abs=0.02)
 
 
 def test_reward_digits() -> None:
