@@ -22,6 +22,7 @@ from conftest import (
     tree_hashes,
     tree_state,
     unpack_verl_sdist,
+    verl_config,
 )
 
 from oldgpu import cli
@@ -354,3 +355,50 @@ def test_patched_modules_import(tree: Path, capsys) -> None:
     done = run_in_tree(tree, script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "torch.float32 sdpa"
+
+
+# What a pascal job sets on verl 0.9.0 (docs/newer-verl.md): settings, not patches.
+PASCAL_SETTINGS = [
+    # Inductor refuses CC < 7.0; the engine reads each role's own fsdp_config key.
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+    "critic.fsdp.use_torch_compile=False",
+    # Packed sequences with attention_mask=None: only FlashAttention-2 is known to keep
+    # them apart; sdpa is unproven there.
+    "actor_rollout_ref.model.use_remove_padding=False",
+    "critic.model.use_remove_padding=False",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+]
+# What the patch set makes the default; a tree left unpatched needs these too.
+UNPATCHED_SETTINGS = [
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
+    "+critic.fsdp.mixed_precision.param_dtype=fp32",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "+critic.model.override_config.attn_implementation=sdpa",
+]
+
+
+def test_pascal_settings_compose(verl09_pristine: Path) -> None:
+    cfg = verl_config(verl09_pristine, PASCAL_SETTINGS + UNPATCHED_SETTINGS)
+    arr = cfg.actor_rollout_ref
+    engines = (arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic.fsdp)
+    assert [e.use_torch_compile for e in engines] == [False] * 3
+    assert [e.mixed_precision.param_dtype for e in engines] == ["fp32"] * 3
+    assert [e.model_dtype for e in engines] == ["fp32"] * 3  # 0.9.0's default, ref too
+    assert [m.use_remove_padding for m in (arr.model, cfg.critic.model)] == [False] * 2
+    assert arr.actor.use_remove_padding is False  # interpolated from the model's
+    assert arr.model.override_config.attn_implementation == "sdpa"
+    assert cfg.critic.model.override_config.attn_implementation == "sdpa"
+    assert (arr.model.use_liger, arr.model.use_fused_kernels) == (False, False)  # defaults
+
+
+def test_actor_use_torch_compile_does_not_reach_the_engine(verl09_pristine: Path) -> None:
+    # 0.5.0's key: in 0.9.0 it sets the ref's role key, not any engine's.
+    cfg = verl_config(verl09_pristine, ["actor_rollout_ref.actor.use_torch_compile=False"])
+    arr = cfg.actor_rollout_ref
+    assert arr.ref.use_torch_compile is False
+    assert arr.actor.fsdp_config.use_torch_compile is True
+    assert arr.ref.fsdp_config.use_torch_compile is True
