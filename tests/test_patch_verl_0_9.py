@@ -303,8 +303,9 @@ def test_other_release_is_refused(tree: Path, capsys) -> None:
     assert "0.8.0" in err["message"] and "0.9.0" in err["message"]
 
 
-# The PPO trainer's own call (ray_trainer: _compute_old_log_prob and the others) on a
-# padded batch: it reaches verl.utils.attention_utils' flash-attn import on anything but an NPU.
+# The legacy PPO trainer's own call (trainer.use_v1=false, ray_trainer: _compute_old_log_prob
+# and the others) on a padded batch: it reaches verl.utils.attention_utils' flash-attn import
+# on anything but an NPU.
 _TRAINER_PADDING = """
 import importlib.util
 import torch
@@ -363,8 +364,8 @@ PASCAL_SETTINGS = [
     "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
     "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
     "critic.fsdp.use_torch_compile=False",
-    # Packed sequences with attention_mask=None: only FlashAttention-2 is known to keep
-    # them apart; sdpa is unproven there.
+    # On (the 0.9.0 default) a micro-batch is packed into one row with attention_mask=None:
+    # unproven with sdpa, and it attends over the whole row (docs/newer-verl.md).
     "actor_rollout_ref.model.use_remove_padding=False",
     "critic.model.use_remove_padding=False",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",

@@ -11,8 +11,9 @@ the overrides). What is left is patched here:
   unset, and the autocast dtype before it is known) follow the profile's compute dtype;
 - the HF model config's attention default, and the critic's value-head loading (which
   hard-codes FlashAttention-2 over the config), follow the profile's attention;
-- the remove-padding helpers, which the PPO trainer calls on every batch whatever
-  ``use_remove_padding`` says, fall back to pure torch when flash-attn is absent;
+- the remove-padding helpers, which the legacy PPO trainer (``trainer.use_v1=false``)
+  calls on every batch whatever ``use_remove_padding`` says, fall back to pure torch
+  when flash-attn is absent;
 - the merged-LoRA weight export to the rollout keeps the compute dtype instead of
   rounding through bf16.
 
@@ -245,11 +246,12 @@ class ValueheadAttnImplementation(verl_0_5_0.AttnImplementation):
 
 class PaddingHelpersFallback(verl_0_5_0.FlashAttnImportGuard):
     """verl's remove-padding helpers (``verl/utils/attention_utils.py``) import
-    ``flash_attn.bert_padding`` on the first call on anything but an NPU. The PPO trainer
-    calls them on every batch (``left_right_2_no_padding`` in ``_compute_old_log_prob``,
-    ``_compute_ref_log_prob``, ``_compute_values``, ``_update_actor``, ``_update_critic``)
-    whatever ``use_remove_padding`` says, so without flash-attn the first step fails. The
-    import falls back to the compat module's pure-torch helpers."""
+    ``flash_attn.bert_padding`` on the first call on anything but an NPU. The legacy PPO
+    trainer (``trainer.use_v1=false``, ``ray_trainer.py``) calls them on every batch
+    (``left_right_2_no_padding`` in ``_compute_old_log_prob``, ``_compute_ref_log_prob``,
+    ``_compute_values``, ``_update_actor``, ``_update_critic``) whatever
+    ``use_remove_padding`` says, so without flash-attn its first step fails. The import
+    falls back to the compat module's pure-torch helpers."""
 
     description = (
         "the remove-padding helpers' `from flash_attn.bert_padding import ...` falls back to "
