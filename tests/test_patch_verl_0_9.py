@@ -177,11 +177,26 @@ def test_sites_found_and_edited(tree: Path, capsys) -> None:
     assert 'BAKED_ATTN_IMPLEMENTATION = "sdpa"' in compat
 
 
-def test_patched_files_compile(tree: Path, capsys) -> None:
-    patch_cli(capsys, str(tree))
+@pytest.mark.parametrize(
+    ("argv", "dtype", "attn"),
+    [
+        ((), "fp32", "sdpa"),
+        (("--profile", "cpu"), "fp32", "sdpa"),
+        (("--compute-dtype", "fp16", "--attn-implementation", "eager"), "fp16", "eager"),
+        (("--profile", "ampere"), "bf16", "flash_attention_2"),
+    ],
+)
+def test_patched_files_compile(tree: Path, capsys, argv, dtype: str, attn: str) -> None:
+    # The same sites for every profile: only the compat module's baked values differ.
+    code, out = patch_cli(capsys, str(tree), *argv)
+    assert code == 0 and out["changed"] is True
+    assert {p["name"] for p in out["patches"]} == {*SITES, "compat-module"}
     for rel in (*PATCHED_FILES, patcher.COMPAT_REL):
         path = tree / rel
         compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    compat = (tree / patcher.COMPAT_REL).read_text()
+    assert f'BAKED_COMPUTE_DTYPE = "{dtype}"' in compat
+    assert f'BAKED_ATTN_IMPLEMENTATION = "{attn}"' in compat
 
 
 def test_check(tree: Path, capsys) -> None:
