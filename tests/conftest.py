@@ -46,11 +46,14 @@ def verl_version() -> str:
     return pins.get("verl.version")
 
 
-@pytest.fixture(scope="session")
-def verl_sdist(verl_version: str) -> Path:
-    """verl's sdist from the configured pip index, cached (never committed)."""
+class SdistUnavailable(Exception):
+    """pip could not download the sdist (the message is pip's stderr, cut)."""
+
+
+def download_verl_sdist(version: str) -> Path:
+    """verl ``version``'s sdist from the configured pip index, cached (never committed)."""
     cache = _cache_dir()
-    found = sorted(cache.glob(f"verl-{verl_version}.tar.gz"))
+    found = sorted(cache.glob(f"verl-{version}.tar.gz"))
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
@@ -58,29 +61,42 @@ def verl_sdist(verl_version: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            f"verl=={verl_version}", "-d", tmp,
+            f"verl=={version}", "-d", tmp,
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            pytest.fail(f"cannot download verl {verl_version} sdist: {proc.stderr[-2000:]}")
-        (archive,) = Path(tmp).glob(f"verl-{verl_version}.tar.gz")
+            raise SdistUnavailable(proc.stderr[-2000:])
+        (archive,) = Path(tmp).glob(f"verl-{version}.tar.gz")
         target = cache / archive.name
         os.replace(archive, target)
     return target
 
 
-@pytest.fixture(scope="session")
-def verl_pristine(verl_sdist: Path, verl_version: str, tmp_path_factory) -> Path:
-    """One unpacked copy per session, for comparison only: tests never change it."""
-    dest = tmp_path_factory.mktemp("verl-pristine")
-    with tarfile.open(verl_sdist) as tar:
+def unpack_verl_sdist(sdist: Path, version: str, dest: Path) -> Path:
+    """Unpack ``sdist`` under ``dest``; the tree's root (it holds verl/)."""
+    with tarfile.open(sdist) as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, filter="data")
         else:  # pragma: no cover - Python without extraction filters
             tar.extractall(dest)
-    root = dest / f"verl-{verl_version}"
+    root = dest / f"verl-{version}"
     assert (root / "verl" / "__init__.py").is_file()
     return root
+
+
+@pytest.fixture(scope="session")
+def verl_sdist(verl_version: str) -> Path:
+    """The pinned verl's sdist from the configured pip index, cached (never committed)."""
+    try:
+        return download_verl_sdist(verl_version)
+    except SdistUnavailable as exc:
+        pytest.fail(f"cannot download verl {verl_version} sdist: {exc}")
+
+
+@pytest.fixture(scope="session")
+def verl_pristine(verl_sdist: Path, verl_version: str, tmp_path_factory) -> Path:
+    """One unpacked copy per session, for comparison only: tests never change it."""
+    return unpack_verl_sdist(verl_sdist, verl_version, tmp_path_factory.mktemp("verl-pristine"))
 
 
 @pytest.fixture

@@ -309,6 +309,7 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
         "oldgpu.patch.verl_0_5_0_cpu",
         "oldgpu.patch.verl_0_5_0_fp16",
         "oldgpu.patch.verl_0_5_0_logits",
+        "oldgpu.patch.verl_0_9_0",
     ]
     (extra_patch_sets / "verl_9_9_9.py").write_text(
         "from oldgpu.patch.sitepatch import SitePatch\n\n\n"
@@ -319,7 +320,7 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
         "PATCHES = (Later(),)\n"
     )
     (extra_patch_sets / "notes_verl_9_9_9.py").write_text("raise SystemExit('not a patch set')\n")
-    assert patcher.supported_versions() == ["0.5.0", "9.9.9"]
+    assert patcher.supported_versions() == ["0.5.0", "0.9.0", "9.9.9"]
     (later,) = patcher.select_patches("9.9.9", patcher.Options())
     assert (later.name, later.files) == ("later-fix", ("verl/x.py",))
     # The dtype set, the two HF-rollout fixes GRPO and LoRA need, and the logits set.
