@@ -607,3 +607,35 @@ def test_vllm_settings_follow_the_generate_phase():
     tight = vllm_settings(inp, 64, phase(16384.0 - 1500.0 - VLLM_CUDA_GRAPH_MIB + 1))
     assert tight["enforce_eager"] is True
     assert 0 < tight["gpu_memory_utilization"] <= plan.VLLM_MAX_UTILIZATION
+
+
+# -- the logits patch set on the P40's fp32 path -------------------------------------------
+
+
+def test_p40_plan_at_batch_256_grows_with_the_logits_patch_set():
+    """The P40's PPO plan at batch 256 (KL loss, so a ref): actor and critic micro 4 and
+    log-prob micro 32 with the response's logits only; 2, 2 and 16 without them."""
+    inp = inputs(target_train_batch=256, ref=True)
+    c = plan.plan(inp).choice
+    assert (c.train_batch_size, c.actor_micro, c.critic_micro, c.log_prob_micro) == (
+        256,
+        4,
+        4,
+        32,
+    )
+
+
+@pytest.mark.usefixtures("verls_own_logits")
+def test_p40_plan_at_batch_256_without_the_logits_patch_set():
+    c = plan.plan(inputs(target_train_batch=256, ref=True)).choice
+    assert (c.actor_micro, c.critic_micro, c.log_prob_micro) == (2, 2, 16)
+
+
+def test_p40_plan_measured_on_the_safe_side():
+    """The plan above ran on the lent H100 under the P40 guard (bench/results/2026-12-06-h100,
+    setting b): 14.79 GiB allocated, 20.69 GiB reserved at the peak. The planner's
+    reserved peak must not be under the measured one, nor more than 10% over."""
+    inp = inputs(target_train_batch=256, ref=True)
+    found = plan.plan(inp)
+    reserved = max(p.reserved for p in plan.estimate(inp, found.choice).values()) / GiB
+    assert 20.69 <= reserved <= 1.10 * 20.69, reserved
