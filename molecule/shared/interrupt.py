@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
         why = f"no process matching {args.when!r} in {args.host} before the converge ended"
         print(f"interrupt {args.name}: {why} (rc {proc.poll()}); see {args.log}", file=sys.stderr)
+        # The log lives in molecule's ephemeral directory, which destroy removes: its
+        # end goes to stderr, so the scenario's own log keeps why the converge ended.
+        tail = args.log.read_text(errors="replace").splitlines()[-60:]
+        print("\n".join(f"  | {line}" for line in tail), file=sys.stderr)
         return 1
     time.sleep(args.after)
     at = time.monotonic() - start
