@@ -105,9 +105,7 @@ def test_greedy_rows_match_hfs_own_greedy_decoding():
         )[0, len(p) :]
         assert o.token_ids == ref.tolist()
     # A greedy row beside sampled ones decodes the same.
-    mixed = gen.generate(
-        [req(PROMPTS[0], 6, temperature=1.0), req(PROMPTS[1], 6, temperature=0.0)]
-    )
+    mixed = gen.generate([req(PROMPTS[0], 6, temperature=1.0), req(PROMPTS[1], 6, temperature=0.0)])
     assert mixed[1].token_ids == out[1].token_ids
 
 
@@ -169,5 +167,5 @@ def test_a_partial_update_names_what_it_missed_and_unknown_names_are_reported():
 
 def test_a_shape_mismatch_is_refused():
     rollout = generator()
-    with pytest.raises(ValueError, match="lm_head|embed_tokens"):
+    with pytest.raises(ValueError, match="embed_tokens"):
         rollout.load_weights([("model.embed_tokens.weight", torch.zeros(3, 3))])
