@@ -105,7 +105,8 @@ def test_verl_finds_the_rollout_by_name_in_a_fresh_process(cpu_tree):
 def test_the_cpu_platform_only_when_asked(cpu_tree):
     script = """
         from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
-        print(get_device_name(), get_nccl_backend(), hasattr(get_torch_device(), "memory_allocated"))
+        shim = hasattr(get_torch_device(), "memory_allocated")
+        print(get_device_name(), get_nccl_backend(), shim)
         """
     assert run_verl(cpu_tree, script, VERL_PLATFORM="cpu") == ["cpu gloo True"]
     # Without VERL_PLATFORM, verl decides as ever (this host has no GPU: its CUDA fallback).
