@@ -49,8 +49,9 @@ def platform_class() -> type:
         def is_platform_available(self, use_smi_check: bool = False) -> bool:
             return False
 
-        def current_device(self) -> int:
-            return 0
+        def current_device(self) -> str:
+            # verl moves tensors with .to(get_device_id()): an index would mean cuda:N.
+            return "cpu"
 
         def device_count(self) -> int:
             return 1
