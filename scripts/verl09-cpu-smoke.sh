@@ -48,7 +48,7 @@ if [[ ! -d $assets/model ]]; then
 fi
 
 export PYTHONPATH=$tree:$root/src
-export VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin
+export VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin.hook
 export VERL_PLATFORM=cpu
 # verl registers its FSDP engines for cuda/npu only; the cpu platform runs the cuda one.
 export VERL_ENGINE_DEVICE=cuda
@@ -62,8 +62,8 @@ exec "$py" -m verl.trainer.main_ppo \
   data.train_files="$assets/data/train.parquet" \
   data.val_files="$assets/data/test.parquet" \
   data.train_batch_size=4 \
-  data.max_prompt_length=128 \
-  data.max_response_length=16 \
+  data.max_prompt_length=256 \
+  data.max_response_length=32 \
   data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$assets/model" \
   actor_rollout_ref.model.use_remove_padding=False \

@@ -64,7 +64,7 @@ def run_verl(tree: Path, script: str, **env: str) -> list[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("OLDGPU_", "VERL_"))}
     environ.update(
         PYTHONPATH=f"{tree}:{ROOT / 'src'}",
-        VERL_USE_EXTERNAL_MODULES="oldgpu.verl_plugin",
+        VERL_USE_EXTERNAL_MODULES="oldgpu.verl_plugin.hook",
         PYTHONDONTWRITEBYTECODE="1",
         **env,
     )

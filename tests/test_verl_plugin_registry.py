@@ -1,4 +1,4 @@
-"""``VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin``: the rollout joins verl's registries.
+"""``VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin.hook``: the rollout joins verl's registries.
 
 Against stand-ins of verl 0.9.0's two registries (``_ROLLOUT_REGISTRY``, a dict in
 ``verl/workers/rollout/base.py``; ``RolloutReplicaRegistry`` in ``replica.py``, the

@@ -3,7 +3,7 @@
 verl 0.9.0 accepts only asynchronous rollout servers (vLLM, SGLang, TRT-LLM), none of
 which runs on a CC < 7.0 card. This package is one more server of that kind, written
 against verl's interfaces and registered from outside verl's tree
-(``VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin``), never by editing verl:
+(``VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin.hook``), never by editing verl:
 
 - ``sampling``: verl's sampling params and length limits -> one generation request, and
   the token/log-prob lists a finished row becomes (pure Python);

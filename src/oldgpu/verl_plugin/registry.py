@@ -5,7 +5,8 @@ reads the plain dict ``_ROLLOUT_REGISTRY`` in ``verl/workers/rollout/base.py`` (
 ``BaseRollout`` in the trainer's workers), ``RolloutReplicaRegistry.get(name)`` in
 ``verl/workers/rollout/replica.py`` (the replica that starts the server). Both are
 filled here, in every process that imports verl, by ``VERL_USE_EXTERNAL_MODULES=
-oldgpu.verl_plugin``; nothing in verl's tree changes. Registering twice is harmless.
+oldgpu.verl_plugin.hook``; nothing in verl's tree changes. Registering twice is
+harmless.
 
 A verl without these registries (0.5.0 has neither) is refused with the reason, rather
 than left to fail later at the lookup with "Rollout oldgpu-hf ... not found".
