@@ -9,6 +9,8 @@ needed here. What a platform cannot answer is patched, for device cpu only
 
 - the workers' process group asks for ``cpu:gloo,{device}:{backend}``, which on cpu
   reads ``cpu:gloo,cpu:gloo``: torch refuses a device type twice;
+- each weight sync moves FSDP1's flat parameters to ``f"{device}:{device_id}"``, which
+  on cpu reads ``cpu:cpu``;
 - FSDP (strategy ``fsdp``) is built with ``sync_module_states=True``, which FSDP refuses
   for modules on the CPU; with it off, no rank may start from meta tensors (every rank
   loads the checkpoint), and the forward-only (ref) model's
@@ -20,7 +22,7 @@ from __future__ import annotations
 import ast
 
 from oldgpu.patch import verl_0_5_0_cpu as cpu050
-from oldgpu.patch.source import Edit, SourceFile
+from oldgpu.patch.source import Edit, SourceFile, is_call_to
 from oldgpu.patch.verl_0_9_0 import FSDP_ENGINE, VERSIONS
 
 DISTRIBUTED = "verl/utils/distributed.py"
@@ -59,6 +61,45 @@ class CpuGlooBackendString(cpu050.CpuSitePatch):
         return (Edit(start, end, self.NEW),), f"{src.text(node)} -> {self.NEW}"
 
 
+class CpuFsdpLoadDevice(cpu050.CpuSitePatch):
+    """``get_per_tensor_param`` (every weight sync with strategy ``fsdp``) calls
+    ``load_fsdp_model_to_gpu``, which moves each flat parameter to
+    ``torch.device(f"{get_device_name()}:{device_id}")``: ``cpu:cpu`` on the cpu platform
+    (its device id is ``cpu``: verl also moves tensors with ``.to(get_device_id())``,
+    where an index would mean a GPU), which torch refuses."""
+
+    name = "cpu-fsdp-load-device"
+    description = (
+        'load_fsdp_model_to_gpu\'s f"{get_device_name()}:{device_id}" is "cpu" on cpu '
+        '(it reads "cpu:cpu", which torch refuses)'
+    )
+    versions = VERSIONS
+    what = 'f"{get_device_name()}:{device_id}"'
+    sites = ((FSDP_UTILS, "load_fsdp_model_to_gpu", 1),)
+    NEW = cpu050._compat("cpu_device")
+
+    def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n
+            for n in src.in_scope(scope, ast.JoinedStr)
+            if len(n.values) == 3
+            and isinstance(n.values[0], ast.FormattedValue)
+            and is_call_to(n.values[0].value, "get_device_name")
+            and isinstance(n.values[1], ast.Constant)
+            and n.values[1].value == ":"
+            and isinstance(n.values[2], ast.FormattedValue)
+        ]
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n for n in src.in_scope(scope, ast.Call) if cpu050._compat_call_with(n, "cpu_device")
+        ]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        start, end = src.span(node)
+        return (Edit(start, end, self.NEW),), f"{src.text(node)} -> {self.NEW}"
+
+
 class CpuSyncModuleStates(cpu050.CpuSyncModuleStates):
     versions = VERSIONS
     sites = ((FSDP_ENGINE, "FSDPEngine._build_fsdp_module", 1),)
@@ -81,6 +122,7 @@ class CpuNoParamOffload(cpu050.CpuNoParamOffload):
 
 PATCHES: tuple[cpu050.CpuSitePatch, ...] = (
     CpuGlooBackendString(),
+    CpuFsdpLoadDevice(),
     CpuSyncModuleStates(),
     CpuNoMetaInit(),
     CpuNoParamOffload(),
