@@ -12,7 +12,7 @@
 #      platform through VERL_PLATFORM=cpu.
 # Environment: VERL09_VENV (default /tmp/verl09-venv), VERL09_WORK (/tmp/verl09-cpu),
 # OLDGPU_CACHE (/var/cache/oldgpu: sdists/verl-0.9.0.tar.gz), TORCH_SPEC (the torch to
-# install; default the 2.13.0 CPU wheel), STEPS (2). Only step 4 runs when the venv exists.
+# install; default the 2.13.0 CPU wheel), STEPS (2), LR (1e-5); more overrides as arguments.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VERL09_VENV:-/tmp/verl09-venv}
@@ -21,6 +21,7 @@ cache=${OLDGPU_CACHE:-/var/cache/oldgpu}
 sdist=$cache/sdists/verl-0.9.0.tar.gz
 torch_spec=${TORCH_SPEC:-torch==2.13.0+cpu}
 steps=${STEPS:-2}
+lr=${LR:-1e-5}
 
 if [[ ! -x $venv/bin/python ]]; then
   python3 -m venv "$venv"
@@ -67,7 +68,7 @@ exec "$py" -m verl.trainer.main_ppo \
   data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$assets/model" \
   actor_rollout_ref.model.use_remove_padding=False \
-  actor_rollout_ref.actor.optim.lr=1e-5 \
+  actor_rollout_ref.actor.optim.lr="$lr" \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
   actor_rollout_ref.actor.use_kl_loss=False \
