@@ -64,6 +64,7 @@ class Batcher(Generic[Q, R]):
         self._stop = threading.Event()  # read by the worker thread
         self._task: asyncio.Task | None = None
         self.batches_run = 0
+        self.requests_run = 0
         self.largest_batch = 0
 
     def _start(self) -> None:
@@ -112,6 +113,7 @@ class Batcher(Generic[Q, R]):
     async def _run_one(self, batch: list[_Pending[Q, R]]) -> None:
         requests = [p.request for p in batch]
         self.batches_run += 1
+        self.requests_run += len(batch)
         self.largest_batch = max(self.largest_batch, len(batch))
         try:
             results = await asyncio.to_thread(self._run, requests, self._stop.is_set)

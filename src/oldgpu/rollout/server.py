@@ -126,6 +126,7 @@ class HFRolloutServer:
         self.generator: HFGenerator | None = None
         self.batcher: Batcher[Request, Generated] | None = None
         self._awake = True
+        self._logged = (0, 0)  # requests and batches already logged
         self._address = (
             f"{ray.util.get_node_ip_address()}/{ROLLOUT_NAME}/{replica_rank}/{node_rank}"
         )
@@ -231,10 +232,29 @@ class HFRolloutServer:
         if not self.config.free_cache_engine or self.rollout_mode != RolloutMode.HYBRID:
             return
         await self.wait_for_requests_to_drain()
+        self._log_batching()
         if self.generator is not None and self.device.type != "cpu" and self._awake:
             self.generator.to("cpu")
             self._empty_cache()
         self._awake = False
+
+    def _log_batching(self) -> None:
+        # Once per rollout phase (the trainer sleeps us after each): how it batched.
+        b = self.batcher
+        if b is None:
+            return
+        done = (b.requests_run, b.batches_run)
+        requests, batches = (d - s for d, s in zip(done, self._logged, strict=True))
+        self._logged = done
+        if batches:
+            logger.info(
+                "%s server %d: %d requests in %d batches (largest so far %d)",
+                ROLLOUT_NAME,
+                self.replica_rank,
+                requests,
+                batches,
+                b.largest_batch,
+            )
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         wants_weights = tags is None or "weights" in tags
@@ -295,6 +315,7 @@ class HFRolloutServer:
         b = self.batcher
         return {
             "batches_run": b.batches_run if b else 0,
+            "requests_run": b.requests_run if b else 0,
             "largest_batch": b.largest_batch if b else 0,
             "max_batch_size": self.max_batch_size,
             "device": str(self.device),
