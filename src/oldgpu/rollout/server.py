@@ -109,7 +109,7 @@ class HFRolloutServer:
         self.replica_rank = replica_rank
         self.node_rank = node_rank
         self.global_steps: int | None = None
-        self.device = torch.device(get_device_name() if get_device_name() != "cpu" else "cpu")
+        self.device = torch.device(get_device_name())  # the platform's: cuda, or cpu
         max_len = self.config.max_model_len or get_max_position_embeddings(
             self.model_config.hf_config
         )
