@@ -310,6 +310,7 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
         "oldgpu.patch.verl_0_5_0_fp16",
         "oldgpu.patch.verl_0_5_0_logits",
         "oldgpu.patch.verl_0_9_0",
+        "oldgpu.patch.verl_0_9_0_cpu",
     ]
     (extra_patch_sets / "verl_9_9_9.py").write_text(
         "from oldgpu.patch.sitepatch import SitePatch\n\n\n"

@@ -31,6 +31,13 @@ def fsdp_param_offload() -> None:
     return None
 
 
+def cpu_device() -> str:
+    """The device verl 0.9.0's FSDP1 loader spells ``f"{get_device_name()}:{device_id}"``:
+    on cpu that reads ``cpu:cpu`` (the platform's device id is ``cpu``, because verl
+    also moves tensors with ``.to(get_device_id())``, where an index means a GPU)."""
+    return "cpu"
+
+
 def all_reduce_avg(tensor: torch.Tensor, group=None) -> None:
     """all_reduce(op=AVG), in place, for backends without AVG (torch 2.6's gloo): a sum
     divided by the world size."""

@@ -1,0 +1,129 @@
+"""The cpu patch set for verl 0.9.0: what stops its FSDP engine on a host without GPU.
+
+0.9.0 asks a platform object for the device, its torch module, the collective backend
+and the Ray resource (``verl.plugin.platform``); a cpu platform registered from outside
+the tree (``oldgpu.verl_plugin.cpu_platform``, ``VERL_PLATFORM=cpu``) answers those, so
+the 0.5.0 set's ``get_nccl_backend``/``get_torch_device``/``ray.init`` rewrites are not
+needed here. What a platform cannot answer is patched, for device cpu only
+(``oldgpu patch --profile cpu``), on top of the 0.9.0 set:
+
+- the workers' process group asks for ``cpu:gloo,{device}:{backend}``, which on cpu
+  reads ``cpu:gloo,cpu:gloo``: torch refuses a device type twice;
+- each weight sync moves FSDP1's flat parameters to ``f"{device}:{device_id}"``, which
+  on cpu reads ``cpu:cpu``;
+- FSDP (strategy ``fsdp``) is built with ``sync_module_states=True``, which FSDP refuses
+  for modules on the CPU; with it off, no rank may start from meta tensors (every rank
+  loads the checkpoint), and the forward-only (ref) model's
+  ``CPUOffload(offload_params=True)``, which pins memory, is off too.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from oldgpu.patch import verl_0_5_0_cpu as cpu050
+from oldgpu.patch.source import Edit, SourceFile, is_call_to
+from oldgpu.patch.verl_0_9_0 import FSDP_ENGINE, VERSIONS
+
+DISTRIBUTED = "verl/utils/distributed.py"
+FSDP_UTILS = "verl/utils/fsdp_utils.py"
+
+
+class CpuGlooBackendString(cpu050.CpuSitePatch):
+    name = "cpu-gloo-backend-string"
+    description = (
+        'initialize_global_process_group_ray\'s default backend f"cpu:gloo,{device}:{backend}" '
+        'is plain gloo (on cpu it reads "cpu:gloo,cpu:gloo", which torch refuses)'
+    )
+    versions = VERSIONS
+    what = 'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"'
+    sites = ((DISTRIBUTED, "initialize_global_process_group_ray", 1),)
+    NEW = cpu050._compat("cpu_dist_backend")
+
+    def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n
+            for n in src.in_scope(scope, ast.JoinedStr)
+            if n.values
+            and isinstance(n.values[0], ast.Constant)
+            and str(n.values[0].value).startswith("cpu:gloo,")
+        ]
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n
+            for n in src.in_scope(scope, ast.Call)
+            if cpu050._compat_call_with(n, "cpu_dist_backend")
+        ]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        start, end = src.span(node)
+        return (Edit(start, end, self.NEW),), f"{src.text(node)} -> {self.NEW}"
+
+
+class CpuFsdpLoadDevice(cpu050.CpuSitePatch):
+    """``get_per_tensor_param`` (every weight sync with strategy ``fsdp``) calls
+    ``load_fsdp_model_to_gpu``, which moves each flat parameter to
+    ``torch.device(f"{get_device_name()}:{device_id}")``: ``cpu:cpu`` on the cpu platform
+    (its device id is ``cpu``: verl also moves tensors with ``.to(get_device_id())``,
+    where an index would mean a GPU), which torch refuses."""
+
+    name = "cpu-fsdp-load-device"
+    description = (
+        'load_fsdp_model_to_gpu\'s f"{get_device_name()}:{device_id}" is "cpu" on cpu '
+        '(it reads "cpu:cpu", which torch refuses)'
+    )
+    versions = VERSIONS
+    what = 'f"{get_device_name()}:{device_id}"'
+    sites = ((FSDP_UTILS, "load_fsdp_model_to_gpu", 1),)
+    NEW = cpu050._compat("cpu_device")
+
+    def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n
+            for n in src.in_scope(scope, ast.JoinedStr)
+            if len(n.values) == 3
+            and isinstance(n.values[0], ast.FormattedValue)
+            and is_call_to(n.values[0].value, "get_device_name")
+            and isinstance(n.values[1], ast.Constant)
+            and n.values[1].value == ":"
+            and isinstance(n.values[2], ast.FormattedValue)
+        ]
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n for n in src.in_scope(scope, ast.Call) if cpu050._compat_call_with(n, "cpu_device")
+        ]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        start, end = src.span(node)
+        return (Edit(start, end, self.NEW),), f"{src.text(node)} -> {self.NEW}"
+
+
+class CpuSyncModuleStates(cpu050.CpuSyncModuleStates):
+    versions = VERSIONS
+    sites = ((FSDP_ENGINE, "FSDPEngine._build_fsdp_module", 1),)
+
+
+class CpuNoMetaInit(cpu050.CpuNoMetaInit):
+    versions = VERSIONS
+    sites = ((FSDP_UTILS, "get_init_weight_context_manager", 1),)
+
+
+class CpuNoParamOffload(cpu050.CpuNoParamOffload):
+    description = (
+        "the forward-only (ref) model's FSDP CPUOffload(offload_params=True) is off on cpu "
+        "(it pins memory, which needs CUDA)"
+    )
+    versions = VERSIONS
+    # `if self.engine_config.forward_only: cpu_offload = CPUOffload(offload_params=True)`
+    sites = ((FSDP_ENGINE, "FSDPEngine._build_fsdp_module", 1),)
+
+
+PATCHES: tuple[cpu050.CpuSitePatch, ...] = (
+    CpuGlooBackendString(),
+    CpuFsdpLoadDevice(),
+    CpuSyncModuleStates(),
+    CpuNoMetaInit(),
+    CpuNoParamOffload(),
+)

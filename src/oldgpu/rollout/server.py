@@ -1,0 +1,323 @@
+"""The Ray actor verl's agent loop calls: ``generate`` -> ``TokenOutput``.
+
+It answers the calls verl 0.9.0 makes on a rollout server (read in
+``llm_server.py``, ``replica.py``, ``checkpoint_engine/base.py`` and the vLLM/TRT-LLM
+servers): ``generate`` from the agent loop; ``wake_up``/``sleep``/``clear_kv_cache``/
+``release_kv_cache``/``resume_kv_cache``/``abort_all_requests``/``resume_generation``/
+``start_profile``/``stop_profile`` through the replica; ``set_global_steps`` and the
+weights from our adapter. There is no HTTP endpoint: nothing on verl's token-in-token-out
+path needs one, and the address is only the load balancer's key.
+
+Memory, in a colocated (hybrid) job: the server holds its own copy of the policy in the
+profile's compute dtype. ``sleep`` moves it to host memory while the trainer runs and
+``wake_up(["weights"])`` brings it back before the weights are copied in; HF keeps no KV
+cache between calls, so the ``kv_cache`` tags only empty the allocator's cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+import torch
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.device import get_device_name, get_torch_device, get_visible_devices_keyword
+from verl.workers.config import HFModelConfig, RolloutConfig
+from verl.workers.rollout.replica import RolloutMode, TokenOutput
+from verl.workers.rollout.utils import get_max_position_embeddings
+
+from oldgpu.rollout import ROLLOUT_NAME
+from oldgpu.rollout.batching import Batcher
+from oldgpu.rollout.hf_engine import PROCESSED, HFGenerator, load_model
+from oldgpu.rollout.sampling import ABORTED, Generated, Limits, Request, make_request
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_BATCH_WINDOW_MS = 20
+
+
+def engine_settings(config: RolloutConfig) -> dict[str, Any]:
+    """Our knobs, under ``rollout.engine_kwargs["oldgpu-hf"]`` (or ``oldgpu_hf``, the
+    spelling a Hydra override can write): ``max_batch_size``, ``batch_window_ms``."""
+    kwargs = config.engine_kwargs or {}
+    mine = kwargs.get(ROLLOUT_NAME) or kwargs.get(ROLLOUT_NAME.replace("-", "_")) or {}
+    return dict(mine)
+
+
+def profile_dtype_and_attention() -> tuple[torch.dtype, str]:
+    """The card's compute dtype and attention, as the patched verl tree's compat module
+    says (``OLDGPU_COMPUTE_DTYPE``/``OLDGPU_ATTN_IMPLEMENTATION`` switch them); fp32 and
+    sdpa, what every card runs, in an unpatched tree."""
+    try:
+        from verl.utils import oldgpu_compat  # type: ignore[attr-defined]
+    except ImportError:
+        return torch.float32, "sdpa"
+    return oldgpu_compat.compute_dtype(), oldgpu_compat.attn_implementation()
+
+
+def eos_token_ids(model_config: HFModelConfig) -> list[int]:
+    """Where a response ends: the generation config's EOS ids (Qwen's list its chat end
+    and its base EOS), the model's, and the tokenizer's."""
+    found: list[int] = []
+    sources = (
+        getattr(model_config.generation_config, "eos_token_id", None),
+        getattr(model_config.hf_config, "eos_token_id", None),
+        getattr(model_config.tokenizer, "eos_token_id", None),
+    )
+    for ids in sources:
+        for tok in ids if isinstance(ids, list | tuple) else [ids]:
+            if tok is not None and int(tok) not in found:
+                found.append(int(tok))
+    if not found:
+        raise ValueError(f"{model_config.path}: no EOS token id in its configs or tokenizer")
+    return found
+
+
+def pad_token_id(model_config: HFModelConfig, eos: list[int]) -> int:
+    for source in (model_config.tokenizer, model_config.hf_config):
+        tok = getattr(source, "pad_token_id", None)
+        if tok is not None:
+            return int(tok)
+    return eos[0]
+
+
+class HFRolloutServer:
+    """One replica's server (wrapped with ``ray.remote`` by the replica)."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model_config: Any,
+        rollout_mode: RolloutMode,
+        replica_rank: int,
+        node_rank: int = 0,
+        visible_devices: str | None = None,
+    ) -> None:
+        # Before anything touches the device: the trainer worker's card, as vLLM's server
+        # does (the replica starts us with Ray's NOSET variables, so Ray leaves it alone).
+        if visible_devices:
+            os.environ[get_visible_devices_keyword()] = visible_devices
+        self.config: RolloutConfig = omega_conf_to_dataclass(config)
+        self.model_config: HFModelConfig = omega_conf_to_dataclass(
+            model_config, dataclass_type=HFModelConfig
+        )
+        self.rollout_mode = rollout_mode
+        self.replica_rank = replica_rank
+        self.node_rank = node_rank
+        self.global_steps: int | None = None
+        self.device = torch.device(get_device_name())  # the platform's: cuda, or cpu
+        max_len = self.config.max_model_len or get_max_position_embeddings(
+            self.model_config.hf_config
+        )
+        self.limits = Limits(
+            prompt_length=self.config.prompt_length,
+            response_length=self.config.response_length,
+            max_model_len=int(max_len),
+        )
+        settings = engine_settings(self.config)
+        self.max_batch_size = int(
+            settings.get("max_batch_size", min(self.config.max_num_seqs, DEFAULT_MAX_BATCH_SIZE))
+        )
+        self.window_s = float(settings.get("batch_window_ms", DEFAULT_BATCH_WINDOW_MS)) / 1000
+        self.generator: HFGenerator | None = None
+        self.batcher: Batcher[Request, Generated] | None = None
+        self._awake = True
+        self._logged = (0, 0)  # requests and batches already logged
+        self._address = (
+            f"{ray.util.get_node_ip_address()}/{ROLLOUT_NAME}/{replica_rank}/{node_rank}"
+        )
+
+    # -- start -----------------------------------------------------------------------
+
+    async def launch_server(self) -> None:
+        """Load the model and open for requests (the replica awaits this)."""
+        dtype, attn = profile_dtype_and_attention()
+        # Outside a colocated job nothing syncs weights before the first request.
+        dummy = self.config.load_format == "dummy" and self.rollout_mode == RolloutMode.HYBRID
+        model = load_model(
+            local_path=self.model_config.local_path,
+            hf_config=self.model_config.hf_config,
+            dummy=dummy,
+            dtype=dtype,
+            attn_implementation=attn,
+            device=self.device,
+            trust_remote_code=self.model_config.trust_remote_code,
+        )
+        eos = eos_token_ids(self.model_config)
+        self.generator = HFGenerator(
+            model,
+            pad_token_id=pad_token_id(self.model_config, eos),
+            eos_token_ids=eos,
+            device=self.device,
+            logprobs_mode=self.config.logprobs_mode or PROCESSED,
+        )
+        self.batcher = Batcher(
+            self.generator.generate,
+            lambda r: Generated(token_ids=[], stop_reason=ABORTED),
+            max_batch_size=self.max_batch_size,
+            window_s=self.window_s,
+        )
+        logger.info(
+            "%s server %d: %s, %s, %s attention, weights %s, batches of <= %d",
+            ROLLOUT_NAME,
+            self.replica_rank,
+            self.device,
+            dtype,
+            attn,
+            "dummy (first sync fills them)" if dummy else "from " + self.model_config.local_path,
+            self.max_batch_size,
+        )
+
+    def get_server_address(self) -> str:
+        return self._address
+
+    # -- generation --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        audio_data: list[Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        """Token ids in, token ids (and their log-probs when asked) out."""
+        if image_data or video_data or audio_data:
+            raise NotImplementedError(f"{ROLLOUT_NAME} serves text-only models")
+        assert self.batcher is not None, "launch_server() first"
+        request = make_request(
+            prompt_ids,
+            sampling_params,
+            self.limits,
+            request_id=request_id,
+            default_repetition_penalty=self.config.repetition_penalty,
+            default_ignore_eos=self.config.ignore_eos,
+        )
+        result = await self.batcher.submit(request)
+        return TokenOutput(
+            token_ids=result.token_ids,
+            log_probs=result.log_probs if request.logprobs else None,
+            stop_reason=result.stop_reason,
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        assert self.batcher is not None
+        queued = await self.batcher.abort()
+        return {"aborted_count": queued, "request_ids": []}
+
+    async def resume_generation(self) -> None:
+        assert self.batcher is not None
+        self.batcher.resume()
+
+    async def wait_for_requests_to_drain(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.drain()
+
+    # -- memory ------------------------------------------------------------------------
+
+    def _empty_cache(self) -> None:
+        if self.device.type != "cpu":
+            get_torch_device().empty_cache()
+
+    async def sleep(self) -> None:
+        """The trainer's turn: the weights go to host memory (colocated jobs only)."""
+        if not self.config.free_cache_engine or self.rollout_mode != RolloutMode.HYBRID:
+            return
+        await self.wait_for_requests_to_drain()
+        self._log_batching()
+        if self.generator is not None and self.device.type != "cpu" and self._awake:
+            self.generator.to("cpu")
+            self._empty_cache()
+        self._awake = False
+
+    def _log_batching(self) -> None:
+        # Once per rollout phase (the trainer sleeps us after each): how it batched.
+        b = self.batcher
+        if b is None:
+            return
+        done = (b.requests_run, b.batches_run)
+        requests, batches = (d - s for d, s in zip(done, self._logged, strict=True))
+        self._logged = done
+        if batches:
+            logger.info(
+                "%s server %d: %d requests in %d batches (largest so far %d)",
+                ROLLOUT_NAME,
+                self.replica_rank,
+                requests,
+                batches,
+                b.largest_batch,
+            )
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        wants_weights = tags is None or "weights" in tags
+        if self.generator is not None and not self._awake and wants_weights:
+            self.generator.to(self.device)
+            self._awake = True
+
+    async def clear_kv_cache(self) -> None:
+        self._empty_cache()
+
+    async def release_kv_cache(self) -> None:
+        self._empty_cache()
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    # -- weights -----------------------------------------------------------------------
+
+    async def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """A bucket of (HF name, tensor) from the adapter; returns how many were copied."""
+        assert self.generator is not None
+        report = self.generator.load_weights(bucket)
+        if report.unknown:
+            raise KeyError(
+                f"{ROLLOUT_NAME}: the trainer sent tensors the rollout's model does not have: "
+                f"{report.unknown[:5]}{' ...' if len(report.unknown) > 5 else ''}"
+            )
+        return report.loaded
+
+    async def end_weight_update(self, global_steps: int | None = None) -> list[str]:
+        """After the last bucket: refuse a partial update (a dummy-loaded model would
+        serve random weights where none arrived) and stamp the weights' version."""
+        assert self.generator is not None
+        missing = self.generator.end_weight_update()
+        if missing:
+            raise RuntimeError(
+                f"{ROLLOUT_NAME}: the weight update left {len(missing)} parameter(s) "
+                f"untouched, e.g. {missing[:5]}"
+            )
+        if global_steps is not None:
+            self.global_steps = global_steps
+        self._empty_cache()
+        return missing
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    # -- profiling: nothing of ours to profile beyond verl's own timers ------------------
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+    async def stats(self) -> dict[str, Any]:
+        """For tests and logs: how the requests were batched."""
+        b = self.batcher
+        return {
+            "batches_run": b.batches_run if b else 0,
+            "requests_run": b.requests_run if b else 0,
+            "largest_batch": b.largest_batch if b else 0,
+            "max_batch_size": self.max_batch_size,
+            "device": str(self.device),
+            "global_steps": self.global_steps,
+        }

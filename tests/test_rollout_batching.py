@@ -1,0 +1,157 @@
+"""The Pascal rollout's batcher: requests that arrive together run as one batch."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from oldgpu.rollout.batching import Batcher
+
+
+@dataclass(frozen=True)
+class Req:
+    n: int
+    key: str = "a"
+
+    @property
+    def batch_key(self) -> str:
+        return self.key
+
+
+class Recorder:
+    def __init__(self, delay: float = 0.0):
+        self.batches: list[list[int]] = []
+        self.delay = delay
+        self.threads: set[str] = set()
+
+    def run(self, requests, should_stop):
+        self.threads.add(threading.current_thread().name)
+        self.batches.append([r.n for r in requests])
+        time.sleep(self.delay)
+        return [("done", r.n, should_stop()) for r in requests]
+
+
+def aborted(r: Req):
+    return ("aborted", r.n, True)
+
+
+def test_a_burst_is_one_batch_and_answers_each_caller_in_order():
+    rec = Recorder()
+
+    async def main():
+        b = Batcher(rec.run, aborted, max_batch_size=64, window_s=0.05)
+        out = await asyncio.gather(*[b.submit(Req(i)) for i in range(10)])
+        return b, out
+
+    b, out = asyncio.run(main())
+    assert rec.batches == [list(range(10))]
+    assert out == [("done", i, False) for i in range(10)]
+    assert b.batches_run == 1 and b.largest_batch == 10
+    assert "MainThread" not in rec.threads  # the event loop stays free
+
+
+def test_batches_are_capped_and_split_by_key():
+    rec = Recorder()
+
+    async def main():
+        b = Batcher(rec.run, aborted, max_batch_size=3, window_s=0.05)
+        reqs = [Req(i, "a" if i % 2 else "b") for i in range(8)]
+        return await asyncio.gather(*[b.submit(r) for r in reqs])
+
+    out = asyncio.run(main())
+    assert len(out) == 8
+    for batch in rec.batches:
+        assert len(batch) <= 3
+        assert len({n % 2 for n in batch}) == 1  # one key per batch
+    assert sorted(n for batch in rec.batches for n in batch) == list(range(8))
+
+
+def test_requests_arriving_while_a_batch_runs_form_the_next_one():
+    rec = Recorder(delay=0.2)
+
+    async def main():
+        b = Batcher(rec.run, aborted, max_batch_size=64, window_s=0.01)
+        first = asyncio.ensure_future(b.submit(Req(0)))
+        await asyncio.sleep(0.05)  # batch [0] is running
+        rest = [asyncio.ensure_future(b.submit(Req(i))) for i in (1, 2, 3)]
+        await asyncio.gather(first, *rest)
+
+    asyncio.run(main())
+    assert rec.batches == [[0], [1, 2, 3]]
+
+
+def test_an_error_reaches_the_callers_and_the_loop_goes_on():
+    calls = []
+
+    def run(requests, should_stop):
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return [r.n for r in requests]
+
+    async def main():
+        b = Batcher(run, aborted, max_batch_size=8, window_s=0.01)
+        with pytest.raises(RuntimeError, match="boom"):
+            await b.submit(Req(1))
+        return await b.submit(Req(2))
+
+    assert asyncio.run(main()) == 2
+
+
+def test_abort_stops_the_running_batch_answers_the_queue_and_closes_until_resume():
+    started = threading.Event()
+
+    def run(requests, should_stop):
+        started.set()
+        deadline = time.time() + 5
+        while not should_stop() and time.time() < deadline:
+            time.sleep(0.01)
+        return [("stopped" if should_stop() else "ran", r.n) for r in requests]
+
+    async def main():
+        b = Batcher(run, aborted, max_batch_size=1, window_s=0.0)
+        running = asyncio.ensure_future(b.submit(Req(0)))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(b.submit(Req(1)))
+        await asyncio.sleep(0.01)
+        count = await b.abort()
+        refused = await b.submit(Req(2))
+        b.resume()
+        started.clear()
+
+        def quick(requests, should_stop):
+            return [("ran", r.n) for r in requests]
+
+        b._run = quick
+        after = await b.submit(Req(3))
+        return count, await running, await queued, refused, after
+
+    count, running, queued, refused, after = asyncio.run(main())
+    assert count == 1
+    assert running == ("stopped", 0)
+    assert queued == ("aborted", 1, True)
+    assert refused == ("aborted", 2, True)
+    assert after == ("ran", 3)
+
+
+def test_drain_waits_for_the_running_batch():
+    rec = Recorder(delay=0.1)
+
+    async def main():
+        b = Batcher(rec.run, aborted, max_batch_size=4, window_s=0.0)
+        fut = asyncio.ensure_future(b.submit(Req(0)))
+        await asyncio.sleep(0.02)
+        await b.drain()
+        return fut.done()
+
+    assert asyncio.run(main())
+
+
+def test_batch_size_must_be_positive():
+    with pytest.raises(ValueError):
+        Batcher(lambda r, s: r, aborted, max_batch_size=0)
