@@ -99,12 +99,27 @@ def verl_pristine(verl_sdist: Path, verl_version: str, tmp_path_factory) -> Path
     return unpack_verl_sdist(verl_sdist, verl_version, tmp_path_factory.mktemp("verl-pristine"))
 
 
+def fresh_copy(pristine: Path, tmp_path: Path) -> Path:
+    """A copy of an unpacked verl tree for one test to patch."""
+    root = tmp_path / pristine.name
+    shutil.copytree(pristine, root, symlinks=True)
+    return root
+
+
 @pytest.fixture
 def verl_tree(verl_pristine: Path, tmp_path: Path) -> Path:
     """A fresh copy of the pristine tree for one test to patch."""
-    root = tmp_path / verl_pristine.name
-    shutil.copytree(verl_pristine, root, symlinks=True)
-    return root
+    return fresh_copy(verl_pristine, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def verl09_pristine(tmp_path_factory) -> Path:
+    """verl 0.9.0 unpacked once per session, for comparison only: tests never change it."""
+    try:
+        sdist = download_verl_sdist("0.9.0")
+    except SdistUnavailable as exc:
+        pytest.skip(f"verl 0.9.0 sdist cannot be downloaded from the pip index: {exc}")
+    return unpack_verl_sdist(sdist, "0.9.0", tmp_path_factory.mktemp("verl09-pristine"))
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -245,6 +260,19 @@ def patch_cli(capsys, *argv: str) -> tuple[int, dict]:
     """``oldgpu patch ARGV --json``: the exit code and the JSON."""
     code = cli.main(["patch", *argv, "--json"])
     return code, json.loads(capsys.readouterr().out)
+
+
+def patch_refused(capsys, tree: Path, name: str, *argv: str) -> dict:
+    """``oldgpu patch TREE ARGV --json`` refused as ``name`` (exit 2) with every file of
+    the tree byte-identical and unrewritten; the error's JSON."""
+    state = tree_state(tree)
+    code = cli.main(["patch", str(tree), *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    err = json.loads(captured.out)
+    assert err["error"] == name, err
+    assert tree_state(tree) == state  # every file byte-identical, nothing rewritten
+    return err
 
 
 def function_def(tree: Path, rel: str, qualname: str) -> ast.FunctionDef:

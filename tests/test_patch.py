@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import needs_torch, patch_cli, run_in_tree, tree_hashes, tree_state
+from conftest import needs_torch, patch_cli, patch_refused, run_in_tree, tree_hashes, tree_state
 
 from oldgpu import cli
 from oldgpu import patch as patcher
@@ -263,30 +263,19 @@ def test_switching_options_is_revert_then_apply(
     assert tree_hashes(verl_tree) == tree_hashes(verl_pristine)
 
 
-def _refused(capsys, tree: Path, name: str, *argv: str) -> dict:
-    state = tree_state(tree)
-    code = cli.main(["patch", str(tree), *argv, "--json"])
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    err = json.loads(captured.out)
-    assert err["error"] == name, err
-    assert tree_state(tree) == state  # every file byte-identical, nothing rewritten
-    return err
-
-
-def test_tampered_tree_is_refused(verl_tree: Path, capsys) -> None:
+def test_tampered_tree_ispatch_refused(verl_tree: Path, capsys) -> None:
     patch_cli(capsys, str(verl_tree))
     actor = verl_tree / "verl/workers/actor/dp_actor.py"
     actor.write_bytes(actor.read_bytes() + b"# a hand edit\n")
-    err = _refused(capsys, verl_tree, "tree-modified")
+    err = patch_refused(capsys, verl_tree, "tree-modified")
     assert "dp_actor.py" in err["message"]
-    _refused(capsys, verl_tree, "tree-modified", "--revert")
-    _refused(capsys, verl_tree, "tree-modified", "--check")
+    patch_refused(capsys, verl_tree, "tree-modified", "--revert")
+    patch_refused(capsys, verl_tree, "tree-modified", "--check")
 
 
-def test_unknown_version_is_refused(verl_tree: Path, capsys) -> None:
+def test_unknown_version_ispatch_refused(verl_tree: Path, capsys) -> None:
     (verl_tree / "verl/version/version").write_text("0.4.9\n")
-    err = _refused(capsys, verl_tree, "verl-version-unsupported")
+    err = patch_refused(capsys, verl_tree, "verl-version-unsupported")
     assert "0.4.9" in err["message"] and "0.5.0" in err["message"]
 
 
@@ -334,10 +323,10 @@ def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Pat
         patcher.supported_versions()
 
 
-def test_version_changed_after_patching_is_refused(verl_tree: Path, capsys) -> None:
+def test_version_changed_after_patching_ispatch_refused(verl_tree: Path, capsys) -> None:
     patch_cli(capsys, str(verl_tree))
     (verl_tree / "verl/version/version").write_text("0.4.9\n")
-    _refused(capsys, verl_tree, "tree-modified")
+    patch_refused(capsys, verl_tree, "tree-modified")
 
 
 def _drop_autocast_line(tree: Path) -> None:
@@ -352,16 +341,16 @@ def _drop_autocast_line(tree: Path) -> None:
 def test_site_not_found_deleted_line(verl_tree: Path, capsys) -> None:
     # The with body then joins the `if "multi_modal_inputs"` block above: it still parses.
     _drop_autocast_line(verl_tree)
-    err = _refused(capsys, verl_tree, "site-not-found")
+    err = patch_refused(capsys, verl_tree, "site-not-found")
     assert err["message"].startswith(
         "patch autocast-compute-dtype: verl/workers/critic/dp_critic.py"
     )
 
 
-def test_unparsable_file_is_refused(verl_tree: Path, capsys) -> None:
+def test_unparsable_file_ispatch_refused(verl_tree: Path, capsys) -> None:
     critic = verl_tree / "verl/workers/critic/dp_critic.py"
     critic.write_bytes(critic.read_bytes() + b"def broken(:\n")
-    err = _refused(capsys, verl_tree, "verl-source-unparsable")
+    err = patch_refused(capsys, verl_tree, "verl-source-unparsable")
     assert "verl/workers/critic/dp_critic.py" in err["message"]
     assert "autocast-compute-dtype" in err["message"]
 
@@ -372,17 +361,17 @@ def test_site_not_found_changed_shape(verl_tree: Path, capsys) -> None:
     old = "torch.autocast(device_type=self.device_name, dtype=torch.bfloat16)"
     assert text.count(old) == 1
     critic.write_text(text.replace(old, "contextlib.nullcontext()"))
-    err = _refused(capsys, verl_tree, "site-not-found")
+    err = patch_refused(capsys, verl_tree, "site-not-found")
     assert err["message"].startswith(
         "patch autocast-compute-dtype: verl/workers/critic/dp_critic.py"
     )
     assert "DataParallelPPOCritic._forward_micro_batch" in err["message"]
 
 
-def test_patched_tree_without_manifest_is_refused(verl_tree: Path, capsys) -> None:
+def test_patched_tree_without_manifest_ispatch_refused(verl_tree: Path, capsys) -> None:
     patch_cli(capsys, str(verl_tree))
     (verl_tree / patcher.MANIFEST_NAME).unlink()
-    _refused(capsys, verl_tree, "tree-patched-without-manifest")
+    patch_refused(capsys, verl_tree, "tree-patched-without-manifest")
 
 
 @pytest.mark.parametrize(
@@ -478,4 +467,4 @@ def test_profile_gives_the_options(verl_tree: Path, capsys) -> None:
     )
     compat = (verl_tree / patcher.COMPAT_REL).read_text()
     assert 'BAKED_COMPUTE_DTYPE = "bf16"' in compat
-    _refused(capsys, verl_tree, "profile-unknown", "--profile", "nosuch")
+    patch_refused(capsys, verl_tree, "profile-unknown", "--profile", "nosuch")

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import ast
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from conftest import (
-    SdistUnavailable,
-    download_verl_sdist,
+    fresh_copy,
     function_def,
     needs_torch,
     patch_cli,
+    patch_refused,
     run_in_tree,
     tree_hashes,
     tree_state,
-    unpack_verl_sdist,
     verl_config,
 )
 
-from oldgpu import cli
 from oldgpu import patch as patcher
 from oldgpu.patch.compat_module import COMPAT_MODULE
 
@@ -58,22 +55,10 @@ COMPUTE_DTYPE = "oldgpu_compat.compute_dtype()"
 ATTN = "oldgpu_compat.attn_implementation()"
 
 
-@pytest.fixture(scope="session")
-def verl09_pristine(tmp_path_factory) -> Path:
-    """verl 0.9.0 unpacked once per session, for comparison only: tests never change it."""
-    try:
-        sdist = download_verl_sdist(VERSION)
-    except SdistUnavailable as exc:
-        pytest.skip(f"verl {VERSION} sdist cannot be downloaded from the pip index: {exc}")
-    return unpack_verl_sdist(sdist, VERSION, tmp_path_factory.mktemp("verl09-pristine"))
-
-
 @pytest.fixture
 def tree(verl09_pristine: Path, tmp_path: Path) -> Path:
     """A fresh copy of verl 0.9.0 for one test to patch."""
-    root = tmp_path / verl09_pristine.name
-    shutil.copytree(verl09_pristine, root, symlinks=True)
-    return root
+    return fresh_copy(verl09_pristine, tmp_path)
 
 
 def _unparsed(tree: Path, rel: str, qualname: str, kind: type) -> list[str]:
@@ -229,25 +214,14 @@ def test_revert_is_byte_identical(tree: Path, verl09_pristine: Path, capsys) -> 
     assert not (tree / patcher.ORIGINALS_DIR).exists()
 
 
-def _refused(capsys, tree: Path, name: str, *argv: str) -> dict:
-    state = tree_state(tree)
-    code = cli.main(["patch", str(tree), *argv, "--json"])
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    err = json.loads(captured.out)
-    assert err["error"] == name, err
-    assert tree_state(tree) == state  # every file byte-identical, nothing rewritten
-    return err
-
-
-def test_hand_edited_tree_is_refused(tree: Path, capsys) -> None:
+def test_hand_edited_tree_ispatch_refused(tree: Path, capsys) -> None:
     patch_cli(capsys, str(tree))
     engine = tree / FSDP_ENGINE
     engine.write_bytes(engine.read_bytes() + b"# a hand edit\n")
-    err = _refused(capsys, tree, "tree-modified")
+    err = patch_refused(capsys, tree, "tree-modified")
     assert "transformer_impl.py" in err["message"]
-    _refused(capsys, tree, "tree-modified", "--revert")
-    _refused(capsys, tree, "tree-modified", "--check")
+    patch_refused(capsys, tree, "tree-modified", "--revert")
+    patch_refused(capsys, tree, "tree-modified", "--check")
 
 
 def _edit_line(tree: Path, rel: str, qualname: str, startswith: str, new: str) -> None:
@@ -264,7 +238,7 @@ def _edit_line(tree: Path, rel: str, qualname: str, startswith: str, new: str) -
     path.write_text("".join(lines))
 
 
-def test_changed_site_is_refused(tree: Path, capsys) -> None:
+def test_changed_site_ispatch_refused(tree: Path, capsys) -> None:
     # A release that already made the default fp16 is not this patch's shape: refuse.
     _edit_line(
         tree,
@@ -273,13 +247,13 @@ def test_changed_site_is_refused(tree: Path, capsys) -> None:
         "param_dtype = torch.bfloat16",
         "param_dtype = torch.float16",
     )
-    err = _refused(capsys, tree, "site-not-found")
+    err = patch_refused(capsys, tree, "site-not-found")
     assert err["message"].startswith(f"patch fsdp-param-dtype-default: {FSDP_ENGINE}")
     assert "FSDPEngine._build_fsdp_module" in err["message"]
     assert "(site not found)" in err["message"]
 
 
-def test_bf16_in_another_shape_is_refused(tree: Path, capsys) -> None:
+def test_bf16_in_another_shape_ispatch_refused(tree: Path, capsys) -> None:
     # bf16 where the getattr fallback was, but no longer a fallback: not this patch's site.
     _edit_line(
         tree,
@@ -288,12 +262,12 @@ def test_bf16_in_another_shape_is_refused(tree: Path, capsys) -> None:
         "autocast_dtype = getattr(",
         "autocast_dtype = torch.bfloat16",
     )
-    err = _refused(capsys, tree, "site-not-found")
+    err = patch_refused(capsys, tree, "site-not-found")
     assert err["message"].startswith(f"patch fsdp-autocast-dtype-default: {FSDP_ENGINE}")
     assert "not in the expected shape" in err["message"]
 
 
-def test_bf16_elsewhere_in_a_site_is_refused(tree: Path, capsys) -> None:
+def test_bf16_elsewhere_in_a_site_ispatch_refused(tree: Path, capsys) -> None:
     # A second bf16 default in the same function is a changed tree, not one more site.
     _edit_line(
         tree,
@@ -302,19 +276,19 @@ def test_bf16_elsewhere_in_a_site_is_refused(tree: Path, capsys) -> None:
         "self.scaler = None",
         "self.scaler = None\nself._grad_dtype = torch.bfloat16",
     )
-    err = _refused(capsys, tree, "site-not-found")
+    err = patch_refused(capsys, tree, "site-not-found")
     assert "FSDPEngine.__init__" in err["message"] and "site ambiguous" in err["message"]
 
 
-def test_patched_tree_without_manifest_is_refused(tree: Path, capsys) -> None:
+def test_patched_tree_without_manifest_ispatch_refused(tree: Path, capsys) -> None:
     patch_cli(capsys, str(tree))
     (tree / patcher.MANIFEST_NAME).unlink()
-    _refused(capsys, tree, "tree-patched-without-manifest")
+    patch_refused(capsys, tree, "tree-patched-without-manifest")
 
 
-def test_other_release_is_refused(tree: Path, capsys) -> None:
+def test_other_release_ispatch_refused(tree: Path, capsys) -> None:
     (tree / "verl/version/version").write_text("0.8.0\n")
-    err = _refused(capsys, tree, "verl-version-unsupported")
+    err = patch_refused(capsys, tree, "verl-version-unsupported")
     assert "0.8.0" in err["message"] and "0.9.0" in err["message"]
 
 

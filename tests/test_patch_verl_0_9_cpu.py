@@ -8,17 +8,14 @@ profile gets it, and that a revert restores every byte.
 from __future__ import annotations
 
 import ast
-import shutil
 from pathlib import Path
 
 import pytest
 from conftest import (
-    SdistUnavailable,
-    download_verl_sdist,
+    fresh_copy,
     function_def,
     patch_cli,
     tree_hashes,
-    unpack_verl_sdist,
 )
 
 from oldgpu.patch import verl_0_9_0_cpu
@@ -37,20 +34,9 @@ CPU_SITES = {  # patch name -> (file, function) of each site
 }
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    try:
-        sdist = download_verl_sdist("0.9.0")
-    except SdistUnavailable as exc:
-        pytest.skip(f"verl 0.9.0 sdist cannot be downloaded from the pip index: {exc}")
-    return unpack_verl_sdist(sdist, "0.9.0", tmp_path_factory.mktemp("verl09-pristine"))
-
-
 @pytest.fixture
-def tree(pristine: Path, tmp_path: Path) -> Path:
-    root = tmp_path / pristine.name
-    shutil.copytree(pristine, root, symlinks=True)
-    return root
+def tree(verl09_pristine: Path, tmp_path: Path) -> Path:
+    return fresh_copy(verl09_pristine, tmp_path)
 
 
 def _source(tree: Path, rel: str, qualname: str) -> str:

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import SdistUnavailable, download_verl_sdist, unpack_verl_sdist
+from conftest import fresh_copy
 
 from oldgpu import cli
 
@@ -35,12 +35,8 @@ needs_venv = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def cpu_tree(tmp_path_factory) -> Path:
-    try:
-        sdist = download_verl_sdist("0.9.0")
-    except SdistUnavailable as exc:
-        pytest.skip(f"verl 0.9.0 sdist cannot be downloaded: {exc}")
-    tree = unpack_verl_sdist(sdist, "0.9.0", tmp_path_factory.mktemp("verl09-cpu"))
+def cpu_tree(verl09_pristine: Path, tmp_path_factory) -> Path:
+    tree = fresh_copy(verl09_pristine, tmp_path_factory.mktemp("verl09-cpu"))
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(["patch", str(tree), "--profile", "cpu", "--json"]) == 0
     return tree

@@ -29,16 +29,33 @@ DISTRIBUTED = "verl/utils/distributed.py"
 FSDP_UTILS = "verl/utils/fsdp_utils.py"
 
 
-class CpuGlooBackendString(cpu050.CpuSitePatch):
+class _FStringToCompat(cpu050.CpuSitePatch):
+    """An f-string naming a device, at a site of a known shape (``old_nodes``), becomes
+    the call ``oldgpu_compat.<HELPER>()``."""
+
+    versions = VERSIONS
+    HELPER = ""
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            n for n in src.in_scope(scope, ast.Call) if cpu050._compat_call_with(n, self.HELPER)
+        ]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        new = cpu050._compat(self.HELPER)
+        start, end = src.span(node)
+        return (Edit(start, end, new),), f"{src.text(node)} -> {new}"
+
+
+class CpuGlooBackendString(_FStringToCompat):
     name = "cpu-gloo-backend-string"
     description = (
         'initialize_global_process_group_ray\'s default backend f"cpu:gloo,{device}:{backend}" '
         'is plain gloo (on cpu it reads "cpu:gloo,cpu:gloo", which torch refuses)'
     )
-    versions = VERSIONS
     what = 'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"'
     sites = ((DISTRIBUTED, "initialize_global_process_group_ray", 1),)
-    NEW = cpu050._compat("cpu_dist_backend")
+    HELPER = "cpu_dist_backend"
 
     def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
         return [
@@ -49,19 +66,8 @@ class CpuGlooBackendString(cpu050.CpuSitePatch):
             and str(n.values[0].value).startswith("cpu:gloo,")
         ]
 
-    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
-        return [
-            n
-            for n in src.in_scope(scope, ast.Call)
-            if cpu050._compat_call_with(n, "cpu_dist_backend")
-        ]
 
-    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
-        start, end = src.span(node)
-        return (Edit(start, end, self.NEW),), f"{src.text(node)} -> {self.NEW}"
-
-
-class CpuFsdpLoadDevice(cpu050.CpuSitePatch):
+class CpuFsdpLoadDevice(_FStringToCompat):
     """``get_per_tensor_param`` (every weight sync with strategy ``fsdp``) calls
     ``load_fsdp_model_to_gpu``, which moves each flat parameter to
     ``torch.device(f"{get_device_name()}:{device_id}")``: ``cpu:cpu`` on the cpu platform
@@ -73,10 +79,9 @@ class CpuFsdpLoadDevice(cpu050.CpuSitePatch):
         'load_fsdp_model_to_gpu\'s f"{get_device_name()}:{device_id}" is "cpu" on cpu '
         '(it reads "cpu:cpu", which torch refuses)'
     )
-    versions = VERSIONS
     what = 'f"{get_device_name()}:{device_id}"'
     sites = ((FSDP_UTILS, "load_fsdp_model_to_gpu", 1),)
-    NEW = cpu050._compat("cpu_device")
+    HELPER = "cpu_device"
 
     def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
         return [
@@ -89,15 +94,6 @@ class CpuFsdpLoadDevice(cpu050.CpuSitePatch):
             and n.values[1].value == ":"
             and isinstance(n.values[2], ast.FormattedValue)
         ]
-
-    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
-        return [
-            n for n in src.in_scope(scope, ast.Call) if cpu050._compat_call_with(n, "cpu_device")
-        ]
-
-    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
-        start, end = src.span(node)
-        return (Edit(start, end, self.NEW),), f"{src.text(node)} -> {self.NEW}"
 
 
 class CpuSyncModuleStates(cpu050.CpuSyncModuleStates):
