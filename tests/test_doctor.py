@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_runner
+from conftest import cli_runner, fresh_copy
 
 from oldgpu import cli, detect, doctor, driver
 from oldgpu.doctor import checks as doctor_checks
@@ -645,7 +645,24 @@ def test_real_patched_verl_tree_is_ok(verl_tree: Path, monkeypatch, capsys):
     assert f["verl"]["check_rc"] == 0
     v = checks(f)["verl-patch"]
     assert v["status"] == "ok", v
-    assert "patched as its manifest says (fp32, sdpa, profile cpu)" in v["seen"]
+    assert "patched as its manifest says (fp32, sdpa, profile cpu;" in v["seen"]
+    # Which patch set the tree carries, by name (a host may carry two releases).
+    assert v["details"]["verl_version"] == "0.5.0"
+    assert "response-logits" in v["details"]["patch_set"] and "response-logits" in v["seen"]
+
+
+@pytest.mark.slow
+def test_the_doctor_names_a_newer_releases_patch_set(verl09_pristine, tmp_path, monkeypatch,
+                                                     capsys):  # fmt: skip
+    tree = fresh_copy(verl09_pristine, tmp_path)
+    assert cli.main(["patch", str(tree), "--profile", "pascal", "--json"]) == 0
+    capsys.readouterr()
+    f = _gather_on(tree, monkeypatch)
+    assert f["verl"]["check_rc"] == 0
+    v = checks(f)["verl-patch"]
+    assert "verl 0.9.0 patched as its manifest says (fp32, sdpa, profile pascal" in v["seen"]
+    assert v["details"]["verl_version"] == "0.9.0"
+    assert {"fsdp-param-dtype-default", "flash-attn-import-guard"} <= set(v["details"]["patch_set"])
 
 
 @pytest.mark.slow

@@ -442,22 +442,27 @@ exec {python} -m oldgpu "$@" --nvidia-smi-file {smi} --lspci-file {lspci}
 """
 FAKE_PYTHON = """#!{python}
 import json, os, sys
-json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}},
+json.dump({{"python": sys.argv[0], "argv": sys.argv[1:], "env": dict(os.environ),
+           "cwd": os.getcwd()}},
           open(os.environ["FAKE_EXEC"], "w"))
 """
 
 
-def start_script(tmp_path, job_dir, arch, doctor_rc=0, **extra):
+def fake_venv(venv: Path) -> None:
+    """A venv whose python records how the start script ran it (FAKE_EXEC)."""
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/python").write_text(FAKE_PYTHON.format(python=sys.executable))
+    (venv / "bin/python").chmod(0o755)
+
+
+def start_script(tmp_path, job_dir, arch, doctor_rc=0, environ=None, **extra):
     smi, lspci = GPUS.get(arch, GPUS["p40"])
     fake = tmp_path / "oldgpu"
     fake.write_text(
         FAKE_OLDGPU.format(python=sys.executable, smi=DETECT / smi, lspci=DETECT / lspci)
     )
     fake.chmod(0o755)
-    venv = tmp_path / "venv/bin"
-    venv.mkdir(parents=True)
-    (venv / "python").write_text(FAKE_PYTHON.format(python=sys.executable))
-    (venv / "python").chmod(0o755)
+    fake_venv(tmp_path / "venv")
     job = jobs.job_from_mapping(spec(job_dir, **extra))
     env_file = tmp_path / f"{job.name}.env"
     env_file.write_text(jobs.render_env(job))
@@ -475,6 +480,7 @@ def start_script(tmp_path, job_dir, arch, doctor_rc=0, **extra):
         "FAKE_LOG": str(tmp_path / "fake.log"),
         "FAKE_DOCTOR_RC": str(doctor_rc),
     }
+    env.update(environ or {})
     (tmp_path / "logs").mkdir()
     proc = subprocess.run([str(START)], env=env, capture_output=True, text=True, check=False)
     return proc, tmp_path

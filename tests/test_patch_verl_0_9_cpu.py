@@ -25,12 +25,14 @@ pytestmark = pytest.mark.slow
 DISTRIBUTED = "verl/utils/distributed.py"
 FSDP_UTILS = "verl/utils/fsdp_utils.py"
 FSDP_ENGINE = "verl/workers/engine/fsdp/transformer_impl.py"
+ENGINE_WORKERS = "verl/workers/engine_workers.py"
 CPU_SITES = {  # patch name -> (file, function) of each site
     "cpu-gloo-backend-string": [(DISTRIBUTED, "initialize_global_process_group_ray")],
     "cpu-fsdp-load-device": [(FSDP_UTILS, "load_fsdp_model_to_gpu")],
     "cpu-sync-module-states": [(FSDP_ENGINE, "FSDPEngine._build_fsdp_module")],
     "cpu-no-meta-init": [(FSDP_UTILS, "get_init_weight_context_manager")],
     "cpu-no-param-offload": [(FSDP_ENGINE, "FSDPEngine._build_fsdp_module")],
+    "cpu-loss-all-reduce": [(ENGINE_WORKERS, "TrainingWorker._postprocess_output")],
 }
 
 
@@ -66,7 +68,12 @@ def test_cpu_profile_patches_the_sites(tree: Path, capsys):
     build = _source(tree, FSDP_ENGINE, "FSDPEngine._build_fsdp_module")
     assert "sync_module_states=oldgpu_compat.sync_module_states()" in build
     assert "cpu_offload = oldgpu_compat.fsdp_param_offload()" in build
+    # gloo has no AVG before torch 2.8: a sum over the same group, divided.
+    post = _source(tree, ENGINE_WORKERS, "TrainingWorker._postprocess_output")
+    assert "oldgpu_compat.all_reduce_avg(loss, group=dp_group)" in post
+    assert "ReduceOp.AVG" not in post
     compat = (tree / "verl/utils/oldgpu_compat.py").read_text()
+    assert "def all_reduce_avg(" in compat
     assert "def cpu_device()" in compat and "def cpu_dist_backend()" in compat
 
 

@@ -36,6 +36,17 @@ VERL_SRC_DIR = CODE_DIR / "src" / "verl"  # the pristine clone
 TREES_DIR = CODE_DIR / "trees"  # patched trees, one per commit and profile
 VERL_DIR = CODE_DIR / "verl"  # -> the active patched tree
 
+
+# A verl release other than the default (oldgpu.verl_release) beside it: its venv and
+# patched tree are links like the two above, named for the release.
+def release_venv(version: str) -> Path:
+    return CODE_DIR / f"venv-{version}"
+
+
+def release_tree(version: str) -> Path:
+    return CODE_DIR / f"verl-{version}"
+
+
 # Data, models and checkpoints (owned by USER); the unit's StateDirectory= is
 # verl/jobs/<name>, so systemd puts a job's state in STATE_DIR / <name>.
 DATA_DIR = Path("/var/lib/verl")

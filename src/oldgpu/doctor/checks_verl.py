@@ -48,11 +48,15 @@ def check_verl_patch(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) -
             c.add("fail", f"{root}: {name}: {message}", f"see the message; {patch_cmd(v, prof)}")
     elif v.get("check_rc") == 0:
         opts = (manifest or {}).get("options") or {}
+        # Which release and which patch set: a host may carry several (oldgpu.verl_release).
+        names = [p.get("name", "?") for p in (manifest or {}).get("patches") or []]
+        c.details["verl_version"] = (manifest or {}).get("verl_version")
+        c.details["patch_set"] = names
         c.add(
             "ok",
             f"{root}: verl {(manifest or {}).get('verl_version')} patched as its manifest says "
             f"({opts.get('compute_dtype')}, {opts.get('attn_implementation')}, "
-            f"profile {opts.get('profile')})",
+            f"profile {opts.get('profile')}; {len(names)} patches: {', '.join(names)})",
         )
         if prof:
             want = prof["patch_options"]

@@ -230,6 +230,12 @@ def verl_facts(verl_dir: str, profile_name: str | None, timeout: float = PATCH_C
                 "options": options,
                 "verl_version": manifest.get("verl_version"),
                 "engine": manifest.get("engine"),
+                # the patch set it carries, by name
+                "patches": [
+                    {"name": p.get("name")}
+                    for p in manifest.get("patches") or []
+                    if isinstance(p, dict)
+                ],
             }
             facts["modified"] = _modified_files(root, manifest)
             if options.get("profile"):

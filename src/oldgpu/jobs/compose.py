@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, devices, fleet, paths, profile, recipe, topology
+from oldgpu import detect, devices, fleet, paths, profile, recipe, topology, verl_release
 from oldgpu import plan as planner
 from oldgpu.jobs import batches
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
@@ -158,6 +158,11 @@ def compose(
     joins the Ray cluster at ``job.cluster_address``; FSDP shards over all its GPUs.
     """
     paths = job.paths(environ)
+    version = job.verl_version or verl_release.default()
+    try:
+        verl_release.check_job(version, prof, job.cluster)
+    except EngineError as exc:
+        raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
     count = None if cards is None else len(cards)
     nnodes = 1
     if cluster is not None:
@@ -170,20 +175,22 @@ def compose(
     plan_overrides = plan_doc["hydra_overrides"]
     if cluster is not None and prof["device"] != "cuda":
         plan_overrides = per_worker_micro_batches(plan_overrides, count * nnodes, job.rollout_n)
+    # The planner and the recipe write 0.5.0's keys; the release renames what moved.
     argv = [
         "-m",
         "verl.trainer.main_ppo",
         *merge_overrides(
-            prof["hydra_overrides"],
-            plan_overrides,
+            verl_release.profile_overrides(version, prof),
+            verl_release.translate(version, plan_overrides),
             job_overrides(job, paths, count, nnodes),
-            recipe.overrides(job, prof),
+            verl_release.translate(version, recipe.overrides(job, prof)),
             job.overrides,
         ),
     ]
     batches.check(job.name, argv)
     env = {
         **environment(job, prof, paths),
+        **verl_release.environment(version, prof, os.environ if environ is None else environ),
         **({} if cards is None else devices.visible_devices_env(cards)),
         **(nccl or {}),
     }
@@ -192,6 +199,7 @@ def compose(
     return {
         "job": job.name,
         "profile": prof["name"],
+        "verl_version": version,
         "memory_mib": int(memory_mib),
         "paths": {k: str(v) for k, v in paths.items()},
         "plan": plan_doc,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import paths, profile, recipe
+from oldgpu import paths, profile, recipe, verl_release
 from oldgpu.output import EngineError
 
 CONFIG_INVALID = 4
@@ -71,6 +71,7 @@ FIELDS: tuple[Field, ...] = (
     Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
     Field("rollout", "str", "", "hf or vllm instead of the profile's rollout (empty: the profile's)"),  # noqa: E501
     Field("compute_dtype", "str", "", "fp32 instead of the profile's dtype (empty: the profile's)"),
+    Field("verl_version", "str", "", "the verl release to run (empty: the default, pins' verl.version; oldgpu job fields lists them)"),  # noqa: E501
     Field("overrides", "list", [], "extra Hydra overrides, applied last"),
     Field("cluster", "str", "", "run on this Ray cluster (ray_cluster_name) instead of a private Ray on this host"),  # noqa: E501
     Field("cluster_address", "str", "", "the cluster head's host:port (the verl_jobs role fills it in)"),  # noqa: E501
@@ -118,6 +119,7 @@ class Job:
     profile: str
     rollout: str
     compute_dtype: str
+    verl_version: str
     overrides: tuple[str, ...]
     cluster: str = ""
     cluster_address: str = ""
@@ -207,6 +209,10 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
         raise invalid(f"profile: {out['profile']!r} is not one of {sorted(profile.PROFILES)}")
     if out["rollout"] not in ("", *profile.ROLLOUTS):
         raise invalid(f"rollout: {out['rollout']!r} is not one of {list(profile.ROLLOUTS)}")
+    if out["verl_version"] and out["verl_version"] not in verl_release.releases():
+        raise invalid(
+            f"verl_version: {out['verl_version']!r} is not one of {list(verl_release.releases())}"
+        )
     if out["compute_dtype"] not in ("", "fp32", "fp16", "bf16"):
         raise invalid(f"compute_dtype: {out['compute_dtype']!r} is not fp32, fp16 or bf16")
     if out["profile"]:

@@ -11,6 +11,8 @@ needed here. What a platform cannot answer is patched, for device cpu only
   reads ``cpu:gloo,cpu:gloo``: torch refuses a device type twice;
 - each weight sync moves FSDP1's flat parameters to ``f"{device}:{device_id}"``, which
   on cpu reads ``cpu:cpu``;
+- the workers average the loss with ``ReduceOp.AVG``, which gloo refuses before
+  torch 2.8;
 - FSDP (strategy ``fsdp``) is built with ``sync_module_states=True``, which FSDP refuses
   for modules on the CPU; with it off, no rank may start from meta tensors (every rank
   loads the checkpoint), and the forward-only (ref) model's
@@ -22,10 +24,13 @@ from __future__ import annotations
 import ast
 
 from oldgpu.patch import verl_0_5_0_cpu as cpu050
-from oldgpu.patch.source import Edit, SourceFile, is_call_to
+from oldgpu.patch.compat_module import COMPAT_ALIAS
+from oldgpu.patch.sitepatch import SiteNotFound
+from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to, keyword
 from oldgpu.patch.verl_0_9_0 import FSDP_ENGINE, VERSIONS
 
 DISTRIBUTED = "verl/utils/distributed.py"
+ENGINE_WORKERS = "verl/workers/engine_workers.py"
 FSDP_UTILS = "verl/utils/fsdp_utils.py"
 
 
@@ -116,10 +121,46 @@ class CpuNoParamOffload(cpu050.CpuNoParamOffload):
     sites = ((FSDP_ENGINE, "FSDPEngine._build_fsdp_module", 1),)
 
 
+class CpuLossAllReduce(cpu050.CpuTimingAllReduce):
+    """The workers' loss is averaged over the data-parallel group with ``ReduceOp.AVG``,
+    which gloo refuses before torch 2.8 (the 0.9.0 lock's torch is 2.7.1): the compat
+    module's sum divided by the group's size, the group kept."""
+
+    name = "cpu-loss-all-reduce"
+    description = (
+        "_postprocess_output's all_reduce(loss, op=ReduceOp.AVG, group=dp_group) is a sum "
+        "divided by the group's size (gloo has no AVG before torch 2.8)"
+    )
+    versions = VERSIONS
+    sites = ((ENGINE_WORKERS, "TrainingWorker._postprocess_output", 1),)
+
+    def new_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
+        return [
+            c
+            for c in src.in_scope(scope, ast.Call)
+            if dotted(c.func) == f"{COMPAT_ALIAS}.all_reduce_avg"
+            and len(c.args) == 1
+            and [k.arg for k in c.keywords] == ["group"]
+        ]
+
+    def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
+        group = keyword(node, "group")
+        if len(node.args) != 1 or group is None or len(node.keywords) != 2:
+            raise SiteNotFound(
+                f"line {node.lineno}: all_reduce is not in the expected shape "
+                "(tensor, op=AVG, group=...)"
+            )
+        tensor, group_text = src.text(node.args[0]), src.text(group.value)
+        new = f"{COMPAT_ALIAS}.all_reduce_avg({tensor}, group={group_text})"
+        start, end = src.span(node)
+        return (Edit(start, end, new),), f"all_reduce({tensor}, op=ReduceOp.AVG, ...) -> {new}"
+
+
 PATCHES: tuple[cpu050.CpuSitePatch, ...] = (
     CpuGlooBackendString(),
     CpuFsdpLoadDevice(),
     CpuSyncModuleStates(),
     CpuNoMetaInit(),
     CpuNoParamOffload(),
+    CpuLossAllReduce(),
 )

@@ -1,0 +1,180 @@
+"""Which verl release a job runs, where its venv and tree are, and what its argv needs.
+
+verl 0.5.0 is the default (``pins.verl``); newer releases are listed under
+``pins.verl_releases`` with their own lock. A host may carry several: each release has
+its own venv and patched tree, side by side, and a job picks one with its
+``verl_version`` setting. What differs between them lives here and nowhere else:
+
+- 0.5.0 runs its own HF rollout (``rollout.name=hf``, sync mode) and takes the profile's
+  overrides as ``profile.hydra_overrides`` writes them.
+- 0.9.0 accepts only asynchronous rollout servers, and vLLM/SGLang refuse CC < 7.0: a
+  Pascal job rolls out through the engine's ``oldgpu-hf`` server, which verl finds
+  because ``VERL_USE_EXTERNAL_MODULES`` imports ``oldgpu.verl_plugin.hook`` in every
+  process (docs/newer-verl.md). The job runs the legacy trainer (``trainer.use_v1=False``):
+  the v1 trainer needs TransferQueue, which verl does not declare, and nothing in it is
+  needed on one host. Some keys moved (the critic's FSDP settings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import oldgpu
+from oldgpu import paths, pins
+from oldgpu.output import EngineError
+
+# The rollout server a Pascal job of a newer release uses (oldgpu.verl_plugin.registry).
+ROLLOUT_NAME = "oldgpu-hf"
+PLUGIN_MODULE = "oldgpu.verl_plugin.hook"
+# 0.5.0's keys that 0.9.0 moved; an override of the old key is rewritten.
+MOVED_KEYS = {"0.9.0": (("critic.model.fsdp_config.", "critic.fsdp."),)}
+
+
+def default() -> str:
+    """The release a job runs unless it names another (pins.verl.version)."""
+    return str(pins.get("verl.version"))
+
+
+def releases() -> tuple[str, ...]:
+    """Every release a job may name: the default, then pins.verl_releases in order."""
+    newer = pins.load().get("verl_releases") or {}
+    return (default(), *(v for v in newer if v != default()))
+
+
+def release(version: str) -> dict[str, Any]:
+    """The pins of one release (tag, commit, repo_url, lock); a named error for others."""
+    if version == default():
+        return dict(pins.get("verl"))
+    newer = pins.load().get("verl_releases") or {}
+    if version not in newer:
+        raise EngineError(
+            "verl-version-unknown",
+            f"verl_version {version!r} is not one of {list(releases())} (files/pins.json)",
+        )
+    return {"version": version, **newer[version]}
+
+
+def _suffix(version: str) -> str:
+    return version.replace(".", "_")
+
+
+def dirs(version: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The venv and the patched tree of ``version`` on this host.
+
+    The default release keeps its paths (``VERL_VENV``/``VERL_DIR`` override them, as the
+    start script honours); another lives beside it, ``/opt/verl/venv-<v>`` and
+    ``/opt/verl/verl-<v>`` (``VERL_VENV_<v>``/``VERL_DIR_<v>``, dots as underscores,
+    override those: the benchmark's machine has no /opt/verl).
+    """
+    env = {} if environ is None else environ
+    if version == default():
+        return {
+            "venv": env.get("VERL_VENV", str(paths.VENV_DIR)),
+            "tree": env.get("VERL_DIR", str(paths.VERL_DIR)),
+        }
+    release(version)
+    s = _suffix(version)
+    return {
+        "venv": env.get(f"VERL_VENV_{s}", str(paths.release_venv(version))),
+        "tree": env.get(f"VERL_DIR_{s}", str(paths.release_tree(version))),
+    }
+
+
+def check_job(version: str, prof: Mapping[str, Any], cluster: str) -> None:
+    """What a newer release cannot run yet: a named error before anything starts."""
+    release(version)
+    if version == default():
+        return
+    if prof["rollout"] != "hf":
+        raise EngineError(
+            "verl-version-unsupported",
+            f"verl {version} with the {prof['rollout']} rollout is not provided: its lock has "
+            "no vLLM; use verl_version "
+            f"{default()} or rollout hf (the {ROLLOUT_NAME} server)",
+        )
+    if cluster:
+        raise EngineError(
+            "verl-version-unsupported",
+            f"verl {version} runs on one host for now; a cluster job runs verl {default()}",
+        )
+
+
+def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
+    """The profile's settings in ``version``'s keys (0.5.0: the profile's own list)."""
+    if version == default():
+        return list(prof["hydra_overrides"])
+    out: list[str] = []
+    if not prof["torch_compile"]:
+        # Each role's engine reads its own key; 0.5.0's actor key reaches none of them.
+        out += [
+            "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+            "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+            "critic.fsdp.use_torch_compile=False",
+        ]
+    if not prof["flash_attn_allowed"]:
+        # Remove-padding defaults to true in 0.9.0; liger and the fused kernels are Triton.
+        out += [
+            "actor_rollout_ref.model.use_remove_padding=False",
+            "critic.model.use_remove_padding=False",
+            "actor_rollout_ref.model.use_liger=False",
+            "actor_rollout_ref.model.use_fused_kernels=False",
+        ]
+    out += [
+        f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "trainer.use_v1=False",
+        # One agent-loop worker and one reward worker (8 each by default): every one is a
+        # process importing verl; the rollout server batches what they send anyway.
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+    ]
+    if prof["device"] == "cpu":
+        # Ray schedules the workers on a GPU resource: the cpu platform runs them on one
+        # it announces; and enough logical CPUs for the trainer's actors on a small host.
+        out += [
+            "trainer.device=cpu",
+            "+ray_kwargs.ray_init.num_gpus=1",
+            "ray_kwargs.ray_init.num_cpus=8",
+        ]
+    return out
+
+
+def translate(version: str, overrides: Sequence[str]) -> list[str]:
+    """0.5.0's keys (the planner's, the recipe's) as ``version`` names them."""
+    moved = MOVED_KEYS.get(version, ())
+    out = []
+    for item in overrides:
+        prefix = item[: len(item) - len(item.lstrip("~+"))]
+        body = item[len(prefix) :]
+        for old, new in moved:
+            if body.startswith(old):
+                body = new + body[len(old) :]
+        out.append(prefix + body)
+    return out
+
+
+def engine_root() -> str:
+    """The directory this engine is imported from (the release dir, src/ or the store
+    path): the workers of a newer release import the rollout server from it."""
+    return str(Path(oldgpu.__file__).resolve().parent.parent)
+
+
+def environment(
+    version: str, prof: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, str]:
+    """What the start script exports for ``version``: its venv and tree, and for a newer
+    release the plugin hook and where the engine is (``OLDGPU_PLUGIN_PATH``, appended to
+    PYTHONPATH by the start script)."""
+    where = dirs(version, environ)
+    env = {"VERL_VERSION": version, "VERL_VENV": where["venv"], "VERL_DIR": where["tree"]}
+    if version != default():
+        env["VERL_USE_EXTERNAL_MODULES"] = PLUGIN_MODULE
+        env["OLDGPU_PLUGIN_PATH"] = engine_root()
+        if prof["device"] == "cpu":
+            # verl's platforms are cuda and npu; the engine's cpu platform stands in, and
+            # verl registers its FSDP engines under "cuda" only.
+            env["VERL_PLATFORM"] = "cpu"
+            env["VERL_ENGINE_DEVICE"] = "cuda"
+    return env

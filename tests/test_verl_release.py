@@ -1,0 +1,164 @@
+"""A job's verl release: the field, the composed argv and environment per release, and the
+start script running the release's venv and tree (oldgpu.verl_release)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import verl_config
+from test_jobs import QWEN05B, fake_venv, overrides_of, spec, start_script
+
+from oldgpu import jobs, verl_release
+from oldgpu.output import EngineError
+
+NEWER = "0.9.0"
+
+
+def test_the_default_release_is_the_pinned_one_and_newer_ones_are_listed():
+    assert verl_release.default() == "0.5.0"
+    assert verl_release.releases()[0] == "0.5.0"
+    assert NEWER in verl_release.releases()
+    assert verl_release.release(NEWER)["lock"] == f"verl-{NEWER}"
+    with pytest.raises(EngineError) as exc:
+        verl_release.release("0.7.0")
+    assert exc.value.name == "verl-version-unknown"
+
+
+def test_an_unknown_release_is_refused_before_a_unit_starts(job_dir):
+    with pytest.raises(EngineError) as exc:
+        jobs.job_from_mapping(spec(job_dir, verl_version="0.6.1"))
+    assert exc.value.code == jobs.CONFIG_INVALID
+    assert "0.6.1" in exc.value.message and NEWER in exc.value.message
+
+
+def compose(job_dir, profile="pascal", **extra):
+    job = jobs.job_from_mapping(spec(job_dir, profile=profile, **extra))
+    return jobs.compose(job, jobs.resolve_profile(job, []), 24576, QWEN05B, environ={})
+
+
+def test_the_default_release_composes_as_before(job_dir):
+    doc = compose(job_dir)
+    assert doc["verl_version"] == "0.5.0"
+    o = overrides_of(doc)
+    assert o["actor_rollout_ref.rollout.name"] == "hf"
+    assert "trainer.use_v1" not in o
+    env = doc["environment"]
+    assert (env["VERL_VENV"], env["VERL_DIR"]) == ("/opt/verl/venv", "/opt/verl/verl")
+    assert "VERL_USE_EXTERNAL_MODULES" not in env and "OLDGPU_PLUGIN_PATH" not in env
+
+
+def test_a_pascal_job_on_the_newer_release_rolls_out_through_the_engines_server(job_dir):
+    doc = compose(job_dir, algorithm="gae", verl_version=NEWER)
+    assert doc["verl_version"] == NEWER
+    o = overrides_of(doc)
+    assert o["actor_rollout_ref.rollout.name"] == "oldgpu-hf"
+    assert o["trainer.use_v1"] == "False"
+    # The patch set makes fp32 the default: none of 0.5.0's "+" dtype keys.
+    assert not [k for k in o if "mixed_precision" in k or k.endswith("model_dtype")]
+    # 0.5.0's critic keys, renamed where 0.9.0 moved them; each engine's compile off.
+    assert not [k for k in o if k.startswith("critic.model.fsdp_config.")]
+    assert o["critic.fsdp.param_offload"] in ("True", "False")
+    for role in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                 "critic.fsdp"):  # fmt: skip
+        assert o[f"{role}.use_torch_compile"] == "False"
+    env = doc["environment"]
+    assert env["VERL_VENV"] == f"/opt/verl/venv-{NEWER}"
+    assert env["VERL_DIR"] == f"/opt/verl/verl-{NEWER}"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "oldgpu.verl_plugin.hook"
+    # The workers import the hook from the engine that composed the job.
+    assert (Path(env["OLDGPU_PLUGIN_PATH"]) / "oldgpu/verl_plugin/hook.py").is_file()
+    assert "VERL_PLATFORM" not in env
+
+
+def test_the_cpu_profile_on_the_newer_release_runs_on_the_engines_cpu_platform(job_dir):
+    doc = compose(job_dir, profile="cpu", algorithm="grpo", rollout_n=2, train_batch_size=4,
+                  verl_version=NEWER)  # fmt: skip
+    o = overrides_of(doc)
+    assert o["trainer.device"] == "cpu" and o["ray_kwargs.ray_init.num_gpus"] == "1"
+    env = doc["environment"]
+    assert (env["VERL_PLATFORM"], env["VERL_ENGINE_DEVICE"]) == ("cpu", "cuda")
+
+
+def test_the_bench_machine_names_its_own_release_dirs(job_dir):
+    job = jobs.job_from_mapping(spec(job_dir, profile="pascal", verl_version=NEWER))
+    environ = {"VERL_VENV_0_9_0": "/b/venv09", "VERL_DIR_0_9_0": "/b/tree09",
+               "VERL_VENV": "/b/venv"}  # fmt: skip
+    doc = jobs.compose(job, jobs.resolve_profile(job, []), 24576, QWEN05B, environ=environ)
+    assert (doc["environment"]["VERL_VENV"], doc["environment"]["VERL_DIR"]) == (
+        "/b/venv09",
+        "/b/tree09",
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"profile": "ampere", "rollout": "vllm"}, "no vLLM"),
+        ({"cluster": "lab", "cluster_address": "head:6379", "cluster_nodes": 2}, "one host"),
+    ],
+)
+def test_what_the_newer_release_cannot_run_is_a_config_error(job_dir, extra, why):
+    job = jobs.job_from_mapping(spec(job_dir, **{"profile": "pascal", **extra}, verl_version=NEWER))
+    cluster = {"nnodes": 2, "n_gpus_per_node": 1} if job.cluster else None
+    with pytest.raises(EngineError) as exc:
+        jobs.compose(
+            job, jobs.resolve_profile(job, []), 24576, QWEN05B, environ={}, cluster=cluster
+        )
+    assert exc.value.name == "verl-version-unsupported"
+    assert exc.value.code == jobs.CONFIG_INVALID
+    assert why in exc.value.message
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"profile": "pascal", "algorithm": "gae"},
+        {"profile": "pascal", "algorithm": "grpo", "rollout_n": 4, "lora_rank": 8,
+         "lora_target_modules": ["q_proj", "v_proj"]},
+        {"profile": "cpu", "algorithm": "grpo", "rollout_n": 2, "train_batch_size": 4},
+    ],
+    ids=["pascal-gae", "pascal-grpo-lora", "cpu-grpo"],
+)  # fmt: skip
+def test_the_whole_argv_lands_in_the_newer_releases_own_config(job_dir, verl09_pristine, extra):
+    """Hydra applies every override to verl 0.9.0's ppo_trainer config: no key is missing
+    (Hydra refuses one without "+") and each value lands."""
+    OmegaConf = pytest.importorskip("omegaconf").OmegaConf
+    doc = compose(job_dir, **extra, verl_version=NEWER)
+    overrides = doc["argv"][2:]
+    cfg = verl_config(verl09_pristine, overrides)
+    for override in overrides:
+        key, value = jobs.override_key(override), override.split("=", 1)[1]
+        got = OmegaConf.select(cfg, key)
+        if key == "actor_rollout_ref.model.target_modules":
+            assert list(got) == ["q_proj", "v_proj"]
+        elif key != "trainer.logger":
+            assert str(got) == value, override
+    assert cfg.actor_rollout_ref.rollout.name == "oldgpu-hf"
+    assert cfg.algorithm.adv_estimator == extra["algorithm"]
+
+
+def test_the_start_script_runs_the_releases_venv_and_tree(tmp_path, job_dir):
+    venv = tmp_path / "venv-newer"
+    fake_venv(venv)
+    environ = {"VERL_VENV_0_9_0": str(venv), "VERL_DIR_0_9_0": "/srv/verl-newer"}
+    proc, tmp = start_script(tmp_path, job_dir, "p40", environ=environ, verl_version=NEWER)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads((tmp / "exec.json").read_text())
+    plan = json.loads((tmp / "state/plan.json").read_text())
+    assert plan["verl_version"] == NEWER
+    assert seen["python"] == f"{venv}/bin/python"
+    pythonpath = seen["env"]["PYTHONPATH"].split(":")
+    assert pythonpath[0] == "/srv/verl-newer"
+    assert pythonpath[-1] == plan["environment"]["OLDGPU_PLUGIN_PATH"]
+    doctor = (tmp / "fake.log").read_text()
+    assert f"--python {venv}/bin/python" in doctor
+    assert "--verl-dir /srv/verl-newer" in doctor
+
+
+def test_the_field_round_trips_through_the_env_file(job_dir):
+    job = jobs.job_from_mapping(spec(job_dir, verl_version=NEWER))
+    text = jobs.render_env(job)
+    assert f"VERL_JOB_VERL_VERSION='{NEWER}'" in text
+    assert jobs.job_from_env(jobs.parse_env(text)).verl_version == NEWER
