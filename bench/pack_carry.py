@@ -42,6 +42,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_run import run_checked
 
@@ -82,6 +83,30 @@ SITE = (
     "jsonschema-specifications",
     "referencing",
     "rpds-py",
+)
+# A newer verl release's own packages (``--release``), first on PYTHONPATH instead of
+# ``site`` for that release's jobs: SITE's names at the release lock's versions, and what
+# its rollout path imports without declaring it (docs/newer-verl.md). Ray and the
+# fallback packages are shared: the release locks pin the same Ray.
+RELEASE_SITE = (
+    *SITE,
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "cachetools",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "annotated-doc",
+    "typing-inspection",
+    "hf-xet",
+    "httpx",
+    "httpcore",
+    "h11",
+    "anyio",
+    "sniffio",
+    "shellingham",
+    "typer",
 )
 # Added on the machine only where it cannot import them.
 FALLBACK = (
@@ -141,9 +166,9 @@ def log(msg: str) -> None:
     print(f"[pack] {msg}", flush=True)
 
 
-def lock_versions() -> dict[str, str]:
+def lock_versions(lock: Path = LOCK) -> dict[str, str]:
     out = {}
-    for line in LOCK.read_text(encoding="utf-8").splitlines():
+    for line in lock.read_text(encoding="utf-8").splitlines():
         line = line.split("#", 1)[0].strip()
         if "==" in line:
             name, version = line.split("==", 1)
@@ -293,6 +318,14 @@ def archive(src_dir: Path, arcname: str, dest: Path) -> dict[str, object]:
     }
 
 
+def release_lock(version: str) -> Path:
+    """A newer release's lock (pins.verl_releases.<v>.lock, the default index's variant:
+    the machine's own torch is used, only the pure-Python closure travels)."""
+    pins = json.loads((ROOT / "files" / "pins.json").read_text())
+    name = pins["verl_releases"][version]["lock"]
+    return ROOT / "files" / "requirements" / f"{name}.lock"
+
+
 def patched_verl(work: Path, version: str) -> Path:
     sdist = SDIST_CACHE / f"verl-{version}.tar.gz"
     if not sdist.exists():
@@ -323,6 +356,44 @@ def patched_verl(work: Path, version: str) -> Path:
     return out
 
 
+def pack_release(
+    args: argparse.Namespace,
+    work: Path,
+    wheels: Path,
+    default_versions: dict[str, str],
+    archives: dict[str, Any],
+) -> None:
+    """site-<v> and verl-<v> for a newer release (the default's ray must be its ray)."""
+    v = args.release
+    versions = lock_versions(args.lock or release_lock(v))
+    if versions.get("ray") != default_versions.get("ray"):
+        raise SystemExit(
+            f"verl {v}'s lock pins ray {versions.get('ray')}, the default's "
+            f"{default_versions.get('ray')}: the carry shares one ray"
+        )
+    reqs = [f"{n}=={versions[_norm(n)]}" for n in RELEASE_SITE if _norm(n) in versions]
+    fetch(reqs, wheels)
+    site = work / f"site-{v}"
+    install(reqs, wheels, site)
+    for rel in DROP:
+        (site / rel).unlink(missing_ok=True)
+    clean(site)
+    archives[f"site-{v}"] = {
+        **archive(site, f"site-{v}", args.out / f"site-{v}.tar.xz"),
+        "packages": reqs,
+        "lock": str((args.lock or release_lock(v)).relative_to(ROOT))
+        if (args.lock or release_lock(v)).is_relative_to(ROOT)
+        else str(args.lock),
+    }
+    log(f"site-{v}: {archives[f'site-{v}']['mib']} MiB")
+    tree = patched_verl(work / f"verl-{v}", v)
+    archives[f"verl-{v}"] = {
+        **archive(tree, f"verl-tree-{v}", args.out / f"verl-{v}.tar.xz"),
+        "verl": v,
+        "profile": "pascal",
+    }
+
+
 def tree_bytes() -> int:
     """The size of the working tree the device tool sends: tracked files and untracked
     ones git does not ignore."""
@@ -344,10 +415,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / ".device" / "carry")
     parser.add_argument("--cache", type=Path, default=ROOT / ".device" / "carry-cache")
     parser.add_argument("--only", nargs="*", help="rebuild only these archives (site, ...)")
+    parser.add_argument(
+        "--release",
+        help="also pack this newer verl release: site-<v>.tar.xz (its lock's packages) and "
+        "verl-<v>.tar.xz (its sdist patched for pascal), beside the default's archives",
+    )
+    parser.add_argument("--lock", type=Path, help="the release's lock (default: its pins')")
     args = parser.parse_args()
     versions = lock_versions()
     wheels = args.cache / "wheels"
     want = set(args.only or ("site", "fallback", "ray", "verl"))
+    if args.release:
+        want = set(args.only or (f"site-{args.release}", f"verl-{args.release}"))
 
     def req(name: str) -> str:
         return f"{name}=={versions[_norm(name)]}"
@@ -420,6 +499,8 @@ def main() -> None:
                 "verl": version,
                 "profile": "pascal",
             }
+        if args.release and want & {f"site-{args.release}", f"verl-{args.release}"}:
+            pack_release(args, work, wheels, versions, archives)
     archives.pop("engine", None)  # from an older pack: the engine travels with the tree
     (args.out / "engine.tar.xz").unlink(missing_ok=True)
     total = sum(a["bytes"] for a in archives.values())

@@ -103,6 +103,9 @@ class Setting:
     guard_dtype: str = ""
     # Variables the run's processes get beside the job's (a baseline's switch).
     env: dict[str, str] = field(default_factory=dict)
+    # The job saves its checkpoint at its last step (BENCH_OVERRIDES turns saving off: a
+    # save inside the timed steps would count in tokens/s).
+    save: bool = False
 
 
 # Every run: no checkpoint inside the timed steps (a job saves at its last step).
@@ -158,6 +161,11 @@ PROFILE_SMI = {
     "pascal": ROOT / "tests" / "data" / "detect" / "p40.nvidia-smi.csv",
     "volta": ROOT / "tests" / "data" / "detect" / "v100.nvidia-smi.csv",
 }
+# verl 0.9.0 beside 0.5.0 (issue 27): one GRPO batch for both releases, small enough that
+# both runs fit one device call; each at its own planner's micro batches (0.9.0 computes
+# verl's own logits and its rollout server holds a second copy of the weights).
+NEWER = {"verl_version": "0.9.0"}
+GRPO_CMP = {**GRPO, "train_batch_size": 32}
 LORA = {"lora_rank": 32, "lora_alpha": 32, "lora_target_modules": []}  # empty: all-linear
 # The baseline of the logits patch set: verl's own logits, log-probs and entropy
 # (compat_logits.py's switch) at the micro batches the planner gave a P40 before it
@@ -218,6 +226,24 @@ SETTINGS: dict[str, Setting] = {
             overrides=LEARN,
         ),
         Setting(
+            "grpo-cmp",
+            "GRPO, batch 32 x 4, verl 0.5.0 (grpo-cmp-09's baseline)",
+            job=dict(GRPO_CMP),
+        ),
+        Setting(
+            "grpo-cmp-09",
+            "GRPO, batch 32 x 4, verl 0.9.0 (the oldgpu-hf rollout server)",
+            job={**GRPO_CMP, **NEWER},
+        ),
+        Setting(
+            "learn-grpo-09",
+            "learning check (GRPO), verl 0.9.0; saves its checkpoint at its last step",
+            kind="learn",
+            job={"train_batch_size": 64, **GRPO, **NEWER},
+            overrides=LEARN,
+            save=True,
+        ),
+        Setting(
             "fp16-volta",
             f"the volta profile's fp16 with the loss scaler, batch {VOLTA_BATCH} (PPO, GAE; "
             "HF rollout)",
@@ -268,7 +294,7 @@ def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -
     fill = {"batch": batch, "half": max(1, batch // 2), "reward": REWARD}
     overrides = [
         o.format(**fill)
-        for o in (*BENCH_OVERRIDES, *setting.overrides)
+        for o in (*(() if setting.save else BENCH_OVERRIDES), *setting.overrides)
         if scale == "gpu" or o not in setting.gpu_only
     ]
     # A calibration run's departures from the planner (recorded with the run's job).
@@ -421,6 +447,69 @@ def end_session(sid: int, log: Any = None) -> None:
             time.sleep(0.5)
 
 
+class DeviceMemory:
+    """The GPU's memory in use, device-wide, every second (nvidia-smi): every process of
+    the run counts (a newer release's rollout server is a second process beside the
+    trainer's, each under its own guard cap), as on the P40 they would share 24 GiB."""
+
+    QUERY = ("nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0")
+    APPS = ("nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self.processes = 0
+        self.baseline = self._used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _used(self) -> int | None:
+        try:
+            out = subprocess.run(self.QUERY, capture_output=True, text=True, timeout=10).stdout
+            return int(out.split()[0])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            used = self._used()
+            if used is not None:
+                self.samples.append(used)
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                apps = subprocess.run(self.APPS, capture_output=True, text=True, timeout=10)
+                self.processes = max(self.processes, len(apps.stdout.strip().splitlines()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "device_used_peak_mib": max(self.samples) if self.samples else None,
+            "device_used_baseline_mib": self.baseline,
+            "device_samples": len(self.samples),
+            "device_processes_max": self.processes,
+        }
+
+
+def checkpoint_record(root: Path) -> dict[str, Any] | None:
+    """What the job saved: the tracker's step, and whether that step is complete as the
+    start script judges it (its data.pt, written after the models, and the actor's)."""
+    if not root.is_dir():
+        return None
+    tracker = root / "latest_checkpointed_iteration.txt"
+    step = tracker.read_text().strip() if tracker.exists() else None
+    done = root / f"global_step_{step}" if step else None
+    return {
+        "tracker": step,
+        "steps": sorted(p.name for p in root.glob("global_step_*")),
+        "complete": bool(done and (done / "data.pt").is_file() and (done / "actor").is_dir()),
+        "actor_files": sorted(p.name for p in (done / "actor").iterdir())[:20]
+        if done and (done / "actor").is_dir()
+        else [],
+    }
+
+
 def execute(run: dict[str, Any], out: Path, deadline: float | None) -> dict[str, Any]:
     (out / "command.txt").write_text(shell_line(run) + "\n")
     (out / "run.json").write_text(json.dumps(run, indent=1))
@@ -451,6 +540,7 @@ def execute(run: dict[str, Any], out: Path, deadline: float | None) -> dict[str,
                 time.sleep(1)
 
         threading.Thread(target=watchdog, daemon=True).start()
+        sampler = DeviceMemory() if run["scale"] == "gpu" else None
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
@@ -471,6 +561,8 @@ def execute(run: dict[str, Any], out: Path, deadline: float | None) -> dict[str,
                     flush=True,
                 )
         rc = proc.wait()
+        if sampler:
+            sampler.stop()
         end_session(proc.pid, log)  # what Ray left behind
         (out / "session.pid").unlink(missing_ok=True)
     result = report.summarize(run, steps, out)
@@ -485,7 +577,11 @@ def execute(run: dict[str, Any], out: Path, deadline: float | None) -> dict[str,
         # verl-train composed its command itself; it must be the one recorded before.
         ran_job_command=bool(started and started["argv"] == run["argv"]),
         doctor=doctor_outcome(text),
+        verl_version=(run.get("composed") or {}).get("verl_version"),
+        checkpoint=checkpoint_record(out / "state" / "checkpoints"),
     )
+    if sampler:
+        result.update(sampler.record())
     if rc and not steps:
         result["log_tail"] = text.splitlines()[-40:]
     (out / "result.json").write_text(json.dumps(result, indent=1))

@@ -38,6 +38,14 @@ rec=$OUT/setup
 mkdir -p "$env_dir" "$rec"
 say() { echo "[setup] $*" >&2; }
 
+# The newer verl releases the carry holds (bench/pack_carry.py --release): site-<v>, verl-<v>.
+releases() {
+  [[ -f $CARRY/MANIFEST.json ]] || return 0
+  "$PYTHON" -c 'import json, sys
+for name in sorted(json.load(open(sys.argv[1]))["archives"]):
+    if name.startswith("verl-"):
+        print(name[len("verl-"):])' "$CARRY/MANIFEST.json"
+}
 py_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 use_carry=0
 if [[ -f $CARRY/MANIFEST.json ]]; then
@@ -57,7 +65,8 @@ if [[ ! -f $env_dir/.complete || $(cat "$env_dir/.complete") != "$stamp" ]]; the
   t0=$(date +%s)
   rm -rf "${env_dir:?}"/*
   archives=()
-  ((use_carry)) && archives=(site fallback ray verl)
+  # shellcheck disable=SC2046
+  ((use_carry)) && archives=(site fallback ray verl $(releases | sed 's/.*/site-& verl-&/'))
   for a in "${archives[@]}"; do
     [[ -f $CARRY/$a.tar.xz ]] || { say "missing $CARRY/$a.tar.xz"; exit 2; }
     xz -dc "$CARRY/$a.tar.xz" | tar -x -C "$env_dir"
@@ -144,6 +153,26 @@ export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
 export PYTHONNOUSERSITE=1
 export BENCH_PYTHON="$PYTHON"
 EOF
+  # A newer release: its interpreter is this python with the release's packages in place
+  # of the default's (site -> site-<v>; Ray's workers inherit the variable), and its tree;
+  # `oldgpu job command` names them for a job with that verl_version (VERL_VENV_<v>,
+  # VERL_DIR_<v>: oldgpu.verl_release.dirs).
+  for v in $( ((use_carry)) && releases); do
+    mkdir -p "$BENCH_HOME/venv-$v/bin"
+    cat >"$BENCH_HOME/venv-$v/bin/python" <<WRAP
+#!/bin/bash
+# Written by bench/setup.sh: verl $v's interpreter on this machine.
+old='$env_dir/site' new='$env_dir/site-$v'
+p=":\$PYTHONPATH:"
+p=\${p//":\$old:"/":\$new:"}
+p=\${p#:}
+export PYTHONPATH=\${p%:}
+exec "$PYTHON" "\$@"
+WRAP
+    chmod 0755 "$BENCH_HOME/venv-$v/bin/python"
+    echo "export VERL_VENV_${v//./_}=$BENCH_HOME/venv-$v VERL_DIR_${v//./_}=$env_dir/verl-tree-$v" \
+      >>"$env_dir/env.sh"
+  done
   echo "$stamp" >"$env_dir/.complete"
 fi
 
@@ -200,6 +229,36 @@ d = json.load(open(sys.argv[1]))
 for k, v in d.items():
     print(f"[setup] {k:16} {v.get('version', v)}")
 PY
+# The same for each newer release, with its interpreter and tree, and the rollout server
+# it loads through VERL_USE_EXTERNAL_MODULES (the engine's oldgpu-hf).
+for v in $( ((use_carry)) && releases); do
+  s=${v//./_}
+  venv_var=VERL_VENV_$s dir_var=VERL_DIR_$s
+  PYTHONPATH=${!dir_var}:$PYTHONPATH VERL_USE_EXTERNAL_MODULES=oldgpu.verl_plugin.hook \
+    "${!venv_var}/bin/python" - >"$rec/imports-$v.json" <<'PY'
+import importlib, json, sys
+mods = ["verl", "ray", "transformers", "tokenizers", "tensordict", "hydra", "datasets",
+        "peft", "accelerate", "huggingface_hub", "fastapi", "uvicorn", "numpy", "torch"]
+out = {}
+for name in mods:
+    m = importlib.import_module(name)
+    out[name] = {"version": getattr(m, "__version__", "?"), "file": getattr(m, "__file__", "?")}
+import verl.trainer.main_ppo  # noqa: E402
+import verl.workers.engine_workers  # noqa: E402
+from verl.workers.rollout.base import _ROLLOUT_REGISTRY  # noqa: E402
+from verl.utils import oldgpu_compat  # noqa: E402
+out["rollout_registry"] = sorted("/".join(k) for k in _ROLLOUT_REGISTRY)
+out["oldgpu_compat"] = {"dtype": str(oldgpu_compat.compute_dtype()),
+                        "attn": oldgpu_compat.attn_implementation()}
+json.dump(out, sys.stdout, indent=1)
+PY
+  "$PYTHON" - "$rec/imports-$v.json" "$v" >&2 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for k, v in d.items():
+    print(f"[setup] verl {sys.argv[2]}: {k:16} {v.get('version', v) if isinstance(v, dict) else v}")
+PY
+done
 # What the guard enforces here (probes run on the GPU when there is one).
 OLDGPU_GUARD=pascal OLDGPU_GUARD_DEVICE=${OLDGPU_GUARD_DEVICE:-cuda} \
   "$PYTHON" -m oldgpu guard --check >"$rec/guard-check.txt" 2>&1 ||

@@ -3,15 +3,17 @@ start script running the release's venv and tree (oldgpu.verl_release)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
-from conftest import verl_config
+from conftest import plan_inputs, verl_config
 from test_jobs import QWEN05B, fake_venv, overrides_of, spec, start_script
 
-from oldgpu import jobs, verl_release
+from oldgpu import jobs, plan, verl_release
 from oldgpu.output import EngineError
+from oldgpu.plan import memory
 
 NEWER = "0.9.0"
 
@@ -162,3 +164,38 @@ def test_the_field_round_trips_through_the_env_file(job_dir):
     text = jobs.render_env(job)
     assert f"VERL_JOB_VERL_VERSION='{NEWER}'" in text
     assert jobs.job_from_env(jobs.parse_env(text)).verl_version == NEWER
+
+
+def test_the_planner_counts_the_newer_releases_logits_and_rollout_copy(job_dir):
+    """0.9.0 computes verl's own logits (no logits patch set) and its rollout server holds a
+    second copy of the weights while it generates: smaller micro batches, at one batch."""
+    grpo = {"algorithm": "grpo", "rollout_n": 4, "train_batch_size": 32}
+    old, new = (overrides_of(compose(job_dir, **grpo, verl_version=v)) for v in ("", NEWER))
+    for key in (
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    ):
+        assert int(new[key]) < int(old[key]), key
+    fields = verl_release.plan_fields(NEWER)
+    assert fields == {"logits_patch": False, "rollout_copy": True}
+    assert verl_release.plan_fields(verl_release.default()) == {
+        "logits_patch": True,
+        "rollout_copy": False,
+    }
+
+
+def test_the_rollout_copy_is_the_models_weights_in_the_generate_phase():
+    base = plan_inputs(critic=False, rollout_n=4)
+    choice = plan.Choice(train_batch_size=32, ppo_mini_batch_size=8, actor_micro=4,
+                         critic_micro=4, log_prob_micro=8, gradient_checkpointing=True,
+                         offload=plan.Offload())  # fmt: skip
+    shared = memory.estimate_phase(base, choice, "generate")
+    with_copy = dataclasses.replace(base, rollout_copy=True)
+    copy = memory.estimate_phase(with_copy, choice, "generate")
+    weights = base.shape.params() * 4 / 2**20
+    assert copy.resident["rollout_weights"] == pytest.approx(weights, rel=0.01)
+    assert copy.allocated - shared.allocated == pytest.approx(weights, rel=0.01)
+    # asleep on the host while the trainer updates
+    assert (
+        "rollout_weights" not in memory.estimate_phase(with_copy, choice, "actor_update").resident
+    )

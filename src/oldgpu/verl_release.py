@@ -141,6 +141,14 @@ def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def plan_fields(version: str) -> dict[str, bool]:
+    """What the planner counts differently for ``version``: 0.5.0's tree has the logits
+    patch set; a newer release computes verl's own logits, and its rollout server holds
+    its own copy of the weights while it generates."""
+    newer = version != default()
+    return {"logits_patch": not newer, "rollout_copy": newer}
+
+
 def translate(version: str, overrides: Sequence[str]) -> list[str]:
     """0.5.0's keys (the planner's, the recipe's) as ``version`` names them."""
     moved = MOVED_KEYS.get(version, ())

@@ -62,6 +62,7 @@ def plan_inputs(
         target_train_batch=job.train_batch_size or None,
         model_name=job.model_path,
         profile_name=prof["name"],
+        **verl_release.plan_fields(job.verl_version or verl_release.default()),
         # The recipe, validated by the planner (it owns which estimator has a critic).
         **planner.recipe_fields(
             algorithm=job.algorithm,

@@ -35,6 +35,11 @@ class Inputs:
     lora_rank: int = 0
     lora_alpha: int = 0  # 0: twice the rank
     lora_target_modules: tuple[str, ...] = ()  # empty: all-linear
+    # The verl release (oldgpu.verl_release.plan_fields): its tree has the logits patch
+    # set (response-logits, entropy-by-rows; 0.5.0's), and its rollout server holds a
+    # copy of the weights of its own while it generates (0.9.0's oldgpu-hf).
+    logits_patch: bool = True
+    rollout_copy: bool = False
 
     @property
     def seq(self) -> int:

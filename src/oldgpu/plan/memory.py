@@ -325,13 +325,14 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     autocast = inp.compute_dtype == "fp16"  # FSDP keeps fp32 weights; autocast casts
     # the actor's and ref's logits: every position, or (response-logits) the response's
     # + 1; their log-probs a row, or a 256-token chunk, at a time
-    keep = RESPONSE_LOGITS
+    keep = RESPONSE_LOGITS and inp.logits_patch
+    chunk = ENTROPY_ROWS if inp.logits_patch else None
     logit_positions = resp + 1 if keep else seq
-    lp_rows = min(resp, ENTROPY_ROWS) if keep and ENTROPY_ROWS else resp
+    lp_rows = min(resp, chunk) if keep and chunk else resp
 
     # the entropy's rows at once: a chunk (entropy-by-rows), or the micro batch's responses
     def entropy_rows(micro: int) -> int:
-        return min(micro * resp, ENTROPY_ROWS) if ENTROPY_ROWS else micro * resp
+        return min(micro * resp, chunk) if chunk else micro * resp
 
     # LoRA: the ref log-prob is the actor's forward with its adapters disabled (no ref copy)
     actor_phase = phase in ("generate", "actor_log_prob", "actor_update") or (
@@ -374,6 +375,10 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     common = {"rollout_data": _mib(batch * data_seq)}
     moments: dict[str, dict[str, float]] = {}
     if phase == "generate":
+        if inp.rollout_copy:
+            # the rollout server's own model (the release's oldgpu-hf), awake while it
+            # generates (it sleeps on the host during the other phases)
+            res["rollout_weights"] = _mib(s.params() * cb)
         if inp.rollout == "vllm":
             moments["decode"] = _vllm_generate(inp, batch)
         else:
