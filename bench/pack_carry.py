@@ -107,6 +107,8 @@ RELEASE_SITE = (
     "sniffio",
     "shellingham",
     "typer",
+    # fastapi's telemetry imports the API at module level
+    "opentelemetry-api",
 )
 # Added on the machine only where it cannot import them.
 FALLBACK = (

@@ -125,9 +125,11 @@ def test_what_the_newer_release_cannot_run_is_a_config_error(job_dir, extra, why
 )  # fmt: skip
 def test_the_whole_argv_lands_in_the_newer_releases_own_config(job_dir, verl09_pristine, extra):
     """Hydra applies every override to verl 0.9.0's ppo_trainer config: no key is missing
-    (Hydra refuses one without "+") and each value lands."""
+    (Hydra refuses one without "+") and each value lands; a job's own override of a key
+    0.9.0 moved lands where 0.9.0's legacy trainer reads it."""
     OmegaConf = pytest.importorskip("omegaconf").OmegaConf
-    doc = compose(job_dir, **extra, verl_version=NEWER)
+    reward = ["custom_reward_function.path=/srv/reward.py", "custom_reward_function.name=score"]
+    doc = compose(job_dir, **extra, verl_version=NEWER, overrides=reward)
     overrides = doc["argv"][2:]
     cfg = verl_config(verl09_pristine, overrides)
     for override in overrides:
@@ -139,6 +141,8 @@ def test_the_whole_argv_lands_in_the_newer_releases_own_config(job_dir, verl09_p
             assert str(got) == value, override
     assert cfg.actor_rollout_ref.rollout.name == "oldgpu-hf"
     assert cfg.algorithm.adv_estimator == extra["algorithm"]
+    assert cfg.reward.custom_reward_function.path == "/srv/reward.py"
+    assert cfg.reward.custom_reward_function.name == "score"
 
 
 def test_the_start_script_runs_the_releases_venv_and_tree(tmp_path, job_dir):

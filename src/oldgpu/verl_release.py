@@ -28,8 +28,16 @@ from oldgpu.output import EngineError
 # The rollout server a Pascal job of a newer release uses (oldgpu.verl_plugin.registry).
 ROLLOUT_NAME = "oldgpu-hf"
 PLUGIN_MODULE = "oldgpu.verl_plugin.hook"
-# 0.5.0's keys that 0.9.0 moved; an override of the old key is rewritten.
-MOVED_KEYS = {"0.9.0": (("critic.model.fsdp_config.", "critic.fsdp."),)}
+# 0.5.0's keys that 0.9.0 moved; an override of the old key is rewritten. The custom reward
+# function: 0.9.0 copies the top-level key over only in its fully-async trainer
+# (migrate_legacy_reward_impl); the legacy trainer reads reward.custom_reward_function
+# alone, so the old key would be ignored without a word.
+MOVED_KEYS = {
+    "0.9.0": (
+        ("critic.model.fsdp_config.", "critic.fsdp."),
+        ("custom_reward_function.", "reward.custom_reward_function."),
+    )
+}
 
 
 def default() -> str:
@@ -150,7 +158,7 @@ def plan_fields(version: str) -> dict[str, bool]:
 
 
 def translate(version: str, overrides: Sequence[str]) -> list[str]:
-    """0.5.0's keys (the planner's, the recipe's) as ``version`` names them."""
+    """0.5.0's keys (the planner's, the recipe's, a job's own) as ``version`` names them."""
     moved = MOVED_KEYS.get(version, ())
     out = []
     for item in overrides:

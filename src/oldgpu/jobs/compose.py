@@ -176,7 +176,8 @@ def compose(
     plan_overrides = plan_doc["hydra_overrides"]
     if cluster is not None and prof["device"] != "cuda":
         plan_overrides = per_worker_micro_batches(plan_overrides, count * nnodes, job.rollout_n)
-    # The planner and the recipe write 0.5.0's keys; the release renames what moved.
+    # The planner, the recipe and a job written for 0.5.0 use 0.5.0's keys; the release
+    # renames what moved.
     argv = [
         "-m",
         "verl.trainer.main_ppo",
@@ -185,7 +186,7 @@ def compose(
             verl_release.translate(version, plan_overrides),
             job_overrides(job, paths, count, nnodes),
             verl_release.translate(version, recipe.overrides(job, prof)),
-            job.overrides,
+            verl_release.translate(version, job.overrides),
         ),
     ]
     batches.check(job.name, argv)
