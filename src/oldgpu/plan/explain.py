@@ -178,9 +178,7 @@ def _reasons(found: Plan) -> dict[str, str]:
         else ""
     )
     # the positions the model computes logits for: the response's + 1 (response-logits)
-    positions = (
-        inp.response_length + 1 if memory.RESPONSE_LOGITS and inp.logits_patch else inp.seq
-    )
+    positions = inp.response_length + 1 if memory.RESPONSE_LOGITS and inp.logits_patch else inp.seq
     r["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] = (
         f"the largest that fits: actor_update {upd.peak:.0f} MiB at its {upd.peak_moment} "
         f"(backward: activations {item(upd, 'backward', 'activations'):.0f}, logits "
