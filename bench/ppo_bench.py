@@ -458,6 +458,8 @@ class DeviceMemory:
     def __init__(self) -> None:
         self.samples: list[int] = []
         self.processes = 0
+        # each process's MiB (nvidia-smi's compute apps) at the largest sample
+        self.at_peak: list[dict[str, Any]] = []
         self.baseline = self._used()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -473,11 +475,17 @@ class DeviceMemory:
     def _loop(self) -> None:
         while not self._stop.wait(1.0):
             used = self._used()
+            apps: list[dict[str, Any]] = []
+            with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
+                out = subprocess.run(self.APPS, capture_output=True, text=True, timeout=10)
+                for line in out.stdout.strip().splitlines():
+                    pid, mib = (x.strip() for x in line.split(","))
+                    apps.append({"pid": int(pid), "mib": int(mib), "name": _comm(int(pid))})
+            self.processes = max(self.processes, len(apps))
             if used is not None:
+                if not self.samples or used > max(self.samples):
+                    self.at_peak = apps
                 self.samples.append(used)
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                apps = subprocess.run(self.APPS, capture_output=True, text=True, timeout=10)
-                self.processes = max(self.processes, len(apps.stdout.strip().splitlines()))
 
     def stop(self) -> None:
         self._stop.set()
@@ -489,7 +497,17 @@ class DeviceMemory:
             "device_used_baseline_mib": self.baseline,
             "device_samples": len(self.samples),
             "device_processes_max": self.processes,
+            "device_processes_at_peak": self.at_peak,
         }
+
+
+def _comm(pid: int) -> str:
+    """A process's name as Ray sets it (``ray::WorkerDict...``), else its command."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return "?"
+    return cmd[:80]
 
 
 def checkpoint_record(root: Path) -> dict[str, Any] | None:
