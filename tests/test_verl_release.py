@@ -188,18 +188,38 @@ def test_the_planner_counts_the_newer_releases_logits_and_rollout_copy(job_dir):
     }
 
 
-def test_the_rollout_copy_is_the_models_weights_in_the_generate_phase():
+def test_the_rollout_server_generates_beside_what_the_trainer_keeps():
+    """0.9.0: the server's weights, KV cache and sampling in the generate phase (the trainer
+    generates nothing there), its CUDA context in every phase."""
     base = plan_inputs(critic=False, rollout_n=4)
     choice = plan.Choice(train_batch_size=32, ppo_mini_batch_size=8, actor_micro=4,
                          critic_micro=4, log_prob_micro=8, gradient_checkpointing=True,
                          offload=plan.Offload())  # fmt: skip
-    shared = memory.estimate_phase(base, choice, "generate")
-    with_copy = dataclasses.replace(base, rollout_copy=True)
-    copy = memory.estimate_phase(with_copy, choice, "generate")
-    weights = base.shape.params() * 4 / 2**20
-    assert copy.resident["rollout_weights"] == pytest.approx(weights, rel=0.01)
-    assert copy.allocated - shared.allocated == pytest.approx(weights, rel=0.01)
-    # asleep on the host while the trainer updates
-    assert (
-        "rollout_weights" not in memory.estimate_phase(with_copy, choice, "actor_update").resident
-    )
+    newer = dataclasses.replace(base, rollout_copy=True)
+    gen = memory.estimate_phase(newer, choice, "generate")
+    server = gen.moments["decode"]
+    assert server["rollout_server_weights"] == pytest.approx(base.shape.params() * 4 / 2**20)
+    # at most the server's batch at once (128 responses here)
+    rows = memory.ROLLOUT_SERVER_BATCH
+    kv = memory.estimate_phase(base, choice, "generate").moments["decode"]["kv_cache"]
+    assert server["rollout_server_kv_cache"] == pytest.approx(kv * rows / (32 * 4))
+    for phase in ("generate", "actor_update"):
+        one, two = (memory.estimate_phase(i, choice, phase) for i in (base, newer))
+        assert two.context == one.context + memory.CUDA_CONTEXT_MIB, phase
+    assert "rollout_server_weights" not in str(memory.estimate_phase(newer, choice, "actor_update"))
+
+
+def test_the_server_batch_the_planner_counts_is_the_servers():
+    # read from the source: the server module imports verl, which the engine venv lacks
+    import ast
+
+    import oldgpu.rollout
+
+    tree = ast.parse((Path(oldgpu.rollout.__file__).parent / "server.py").read_text())
+    found = [
+        n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["DEFAULT_MAX_BATCH_SIZE"]
+    ]
+    assert found == [memory.ROLLOUT_SERVER_BATCH]

@@ -193,6 +193,17 @@ VLLM_MAX_UTILIZATION = 0.9
 VLLM_CUDA_GRAPH_MIB = 1536
 # verl's default max_num_batched_tokens; raised to a whole sequence when longer.
 VLLM_BATCHED_TOKENS = 8192
+# A newer release's rollout server (oldgpu-hf) generates in a process of its own beside
+# the trainer's: its weights, and the KV cache and sampling logits of the requests it
+# batches, at most this many at once (rollout/server.py's DEFAULT_MAX_BATCH_SIZE; a test
+# keeps the two equal). verl 0.9.0 empties the trainer's cache in its weight sync, just
+# before generation (engine_workers.update_weights: aggressive_empty_cache), so the
+# generate phase is the trainer's resident state beside the server's footprint; the
+# server sleeps on the host after generating, keeping its CUDA context, which every other
+# phase counts. Not calibrated: the one 0.5B run (H100, GRPO batch 32 x 4,
+# bench/results/2026-12-06-h100/call6) peaked at 24,667 MiB device-wide for the trainer and
+# the server together, and its split between them was not recorded (docs/benchmarks.md).
+ROLLOUT_SERVER_BATCH = 64
 
 PHASES = (
     "generate",
@@ -374,11 +385,10 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     data_seq = 8 * (DATA_INT64_SEQ * seq + DATA_INT64_RESP * resp) + 4 * DATA_FP32_RESP * resp
     common = {"rollout_data": _mib(batch * data_seq)}
     moments: dict[str, dict[str, float]] = {}
-    if phase == "generate":
-        if inp.rollout_copy:
-            # the rollout server's own model (the release's oldgpu-hf), awake while it
-            # generates (it sleeps on the host during the other phases)
-            res["rollout_weights"] = _mib(s.params() * cb)
+    if phase == "generate" and inp.rollout_copy:
+        # the server generates (see ROLLOUT_SERVER_BATCH); the trainer holds what stays
+        moments["decode"] = _rollout_server(inp, batch)
+    elif phase == "generate":
         if inp.rollout == "vllm":
             moments["decode"] = _vllm_generate(inp, batch)
         else:
@@ -463,7 +473,21 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         if reload:
             moments["reload"] = {"reloaded_weights_copy": _mib(RELOAD_COPIES * reload)}
     context = CUDA_CONTEXT_MIB if cuda else HOST_PROCESS_MIB
+    if inp.rollout_copy and cuda:
+        context += CUDA_CONTEXT_MIB  # the server's own
     return PhaseEstimate(res, moments, common, context, reserve_factor(inp))
+
+
+def _rollout_server(inp: Inputs, batch: int) -> dict[str, float]:
+    """The rollout server's generate footprint: its weights, KV cache and sampling."""
+    s, cb = inp.shape, inp.precision.compute
+    rows = min(batch, ROLLOUT_SERVER_BATCH)
+    kv_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.dim * cb
+    return {
+        "rollout_server_weights": _mib(s.params() * cb),
+        "rollout_server_kv_cache": _mib(kv_token * rows * inp.seq * (1 + 1 / s.num_hidden_layers)),
+        "rollout_server_sampling": _mib(SAMPLING_LOGITS_COPIES * rows * s.vocab_size * 4),
+    }
 
 
 def _vllm_generate(inp: Inputs, batch: int) -> dict[str, float]:
