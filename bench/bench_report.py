@@ -190,8 +190,13 @@ def summarize(run: dict[str, Any], steps: list[dict[str, Any]], out: Path) -> di
     def col(key: str, rows: list[dict[str, Any]] = timed) -> list[float]:
         return [s[key] for s in rows if isinstance(s.get(key), (int, float))]
 
-    peak_alloc = col("perf/max_memory_allocated_gb", steps)
-    peak_res = col("perf/max_memory_reserved_gb", steps)
+    # verl 0.9.0 names the trainer's peaks per role (actor/perf/...)
+    peak_alloc = col("perf/max_memory_allocated_gb", steps) or col(
+        "actor/perf/max_memory_allocated_gb", steps
+    )
+    peak_res = col("perf/max_memory_reserved_gb", steps) or col(
+        "actor/perf/max_memory_reserved_gb", steps
+    )
     scores = col("critic/score/mean", steps)
     plan = (run.get("composed") or {}).get("plan") or {}
     environment = (run.get("composed") or {}).get("environment") or {}

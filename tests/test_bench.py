@@ -78,7 +78,9 @@ def test_settings_are_jobs_or_name_the_fields_they_lack(pb, tmp_path) -> None:
     for setting in pb.SETTINGS.values():
         for scale in ("gpu", "smoke"):
             spec = pb.job_spec(setting, 3, scale, assets)
-            assert spec["overrides"][0] == "trainer.save_freq=-1"
+            # no save inside the timed steps, unless the setting proves a checkpoint
+            assert ("trainer.save_freq=-1" in spec["overrides"]) != setting.save
+            assert spec["save_freq"] == 3
             assert all("{" not in o for o in spec["overrides"])
             missing = pb.missing_fields(setting)
             if missing:  # GRPO / LoRA before the engine has their fields
@@ -354,3 +356,29 @@ def test_memory_phases_merges_each_process_last_maxima(pb):
         "generate/generate": a,
     }
     assert pb.report.memory_phases([{"event": "armed", "pid": 3}]) is None
+
+
+def test_a_newer_releases_per_role_peaks_are_read(pb, tmp_path) -> None:
+    """verl 0.9.0 reports the trainer's peaks as actor/perf/...: the summary finds them."""
+    d = _fake_run(tmp_path, pb, "grpo-cmp-09", [0.0, 0.0, 0.0])
+    run = json.loads((d / "run.json").read_text())
+    steps = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for s in steps:
+        s["actor/perf/max_memory_reserved_gb"] = s.pop("perf/max_memory_reserved_gb")
+        s["actor/perf/max_memory_allocated_gb"] = s.pop("perf/max_memory_allocated_gb")
+    result = pb.report.summarize(run, steps, d)
+    assert (result["peak_reserved_gb"], result["peak_allocated_gb"]) == (5.0, 2.0)
+
+
+def test_the_checkpoint_record_judges_completeness_as_the_start_script(pb, tmp_path) -> None:
+    root = tmp_path / "checkpoints"
+    assert pb.checkpoint_record(root) is None
+    step = root / "global_step_3"
+    (step / "actor").mkdir(parents=True)
+    (step / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"x")
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    record = pb.checkpoint_record(root)
+    assert record["tracker"] == "3" and not record["complete"]  # no data.pt yet
+    (step / "data.pt").write_bytes(b"x")
+    record = pb.checkpoint_record(root)
+    assert record["complete"] and record["actor_files"] == ["model_world_size_1_rank_0.pt"]
