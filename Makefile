@@ -48,21 +48,28 @@ unit: bootstrap
 nix: bootstrap
 	@scripts/nix-checks.sh
 
-# Scenarios mount the shared wheelhouse and the local verl mirror.
+# The newer verl releases' default-index locks (their cu118 locks come from PyTorch's index).
+RELEASE_LOCKS := $(filter-out %-cu118.lock,$(wildcard files/requirements/verl-*.lock))
+
+# Scenarios mount the shared wheelhouse (the locks' wheels, the newer releases' sdists)
+# and the local verl mirror.
 molecule: image
 	@scripts/wheelhouse.sh
+	@for lock in $(RELEASE_LOCKS); do scripts/wheelhouse.sh "$$lock"; done
+	@scripts/verl-sdists.sh
 	@scripts/verl-mirror.sh >/dev/null
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
-# What unit and molecule fetch or build (the image, the wheelhouse for both locks,
-# the engine's venv, the verl mirror), made once before they run side by side. On a
+# What unit and molecule fetch or build (the image, the wheelhouse for every lock and
+# the newer releases' sdists, the engine's venv, the verl mirror), made once before they run side by side. On a
 # fresh machine the image's debootstrap and the verl mirror run beside the downloads
 # (each is a no-op once its stamp or label is current).
 prepare: bootstrap
 	@scripts/build-test-image.sh & image=$$!; \
 	scripts/verl-mirror.sh >/dev/null & mirror=$$!; \
 	if scripts/wheelhouse.sh && scripts/wheelhouse.sh files/requirements/vllm.lock && \
-	  scripts/engine-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
+	  (for lock in $(RELEASE_LOCKS); do scripts/wheelhouse.sh "$$lock" || exit 1; done) && \
+	  scripts/verl-sdists.sh && scripts/engine-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
 	wait $$image || rc=1; wait $$mirror || rc=1; exit $$rc
 
 # Each stage timed (scripts/test-stages.sh prints a table at the end). unit+molecule:

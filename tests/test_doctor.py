@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import cli_runner, fresh_copy
 
-from oldgpu import cli, detect, doctor, driver
+from oldgpu import cli, detect, doctor, driver, pins
 from oldgpu.doctor import checks as doctor_checks
 from oldgpu.doctor import checks_torch, common, known_errors
 from oldgpu.doctor import facts as doctor_facts
@@ -663,6 +663,23 @@ def test_the_doctor_names_a_newer_releases_patch_set(verl09_pristine, tmp_path, 
     assert "verl 0.9.0 patched as its manifest says (fp32, sdpa, profile pascal" in v["seen"]
     assert v["details"]["verl_version"] == "0.9.0"
     assert {"fsdp-param-dtype-default", "flash-attn-import-guard"} <= set(v["details"]["patch_set"])
+
+
+def test_a_newer_releases_venv_is_judged_against_that_releases_torch():
+    # The tree's manifest says which release the venv serves (a host carries several).
+    release = pins.load()["verl_releases"]["0.9.0"]["torch"]
+    tree = patched_verl(compute_dtype="fp32", profile="cpu", device="cpu")
+    tree["manifest"]["verl_version"] = "0.9.0"
+    mine = probe(torch=release["version"], triton=release["triton"], requires=[])
+    tb = checks(facts(smi=None, probe_facts=mine, verl=tree, arch="cpu"))["torch-build"]
+    assert tb["status"] == "ok" and "not the pinned" not in tb["seen"], tb
+    # The default release's torch in that venv is named against 0.9.0's pin.
+    old = probe(torch=pins.get("torch.version"), requires=[])
+    tb = checks(facts(smi=None, probe_facts=old, verl=tree, arch="cpu"))["torch-build"]
+    assert f"is not the pinned torch {release['version']} of verl 0.9.0" in tb["seen"]
+    # Without a tree (or the default's) the default's pin.
+    tb = checks(facts(smi=None, probe_facts=mine, arch="cpu"))["torch-build"]
+    assert f"is not the pinned torch {pins.get('torch.version')}" in tb["seen"]
 
 
 @pytest.mark.slow

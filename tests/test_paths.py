@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from oldgpu import cli, jobs, paths
+from oldgpu import cli, jobs, paths, verl_release
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "files/systemd/verl-train@.service"
@@ -16,6 +16,8 @@ START = ROOT / "files/bin/verl-train"
 ENGINE_JSON = ROOT / "nix/engine.json"
 ENGINE_VARS = ROOT / "roles/oldgpu_engine/vars/main.yml"
 TABLE = paths.as_dict()
+# The newer releases' places (``releases`` in `oldgpu paths --json`), by release.
+RELEASES = paths.releases()
 # A literal that looks like one of the fixed paths.
 LITERAL = re.compile(
     r"(?:/opt/verl|/var/lib/verl|/var/log/verl|/etc/verl|/usr/local/bin/oldgpu)[^\s\"',)}]*"
@@ -38,7 +40,8 @@ def _unit() -> dict[str, list[str]]:
 
 def _known(literal: str) -> bool:
     """A fixed path, or a name under one (…/<name>.env, …/*.log)."""
-    return any(literal == v or literal.startswith(v + "/") for v in TABLE.values())
+    known = [*TABLE.values(), *(p for where in RELEASES.values() for p in where.values())]
+    return any(literal == v or literal.startswith(v + "/") for v in known)
 
 
 def test_the_table_is_absolute_and_nested_as_the_unit_expects():
@@ -51,9 +54,21 @@ def test_the_table_is_absolute_and_nested_as_the_unit_expects():
         assert PurePosixPath(TABLE[inside]).parent == paths.CODE_DIR, inside
 
 
+def test_the_newer_releases_live_beside_the_default_each_in_its_own_directories():
+    assert RELEASES and paths.pins.get("verl.version") not in RELEASES
+    for version, where in RELEASES.items():
+        for key in ("venv_dir", "venvs_dir", "verl_dir", "trees_dir"):
+            assert PurePosixPath(where[key]).parent == paths.CODE_DIR, (version, key)
+            assert version in where[key]
+        # A switch prunes its target's siblings: no release shares the default's builds.
+        assert where["venvs_dir"] != TABLE["venvs_dir"] and where["trees_dir"] != TABLE["trees_dir"]
+        assert PurePosixPath(where["sdist"]).parent == PurePosixPath(TABLE["verl_src_dir"]).parent
+        assert verl_release.dirs(version) == {"venv": where["venv_dir"], "tree": where["verl_dir"]}
+
+
 def test_oldgpu_engine_paths_json_prints_the_table(capsys):
     assert cli.main(["paths", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == TABLE
+    assert json.loads(capsys.readouterr().out) == {**TABLE, "releases": RELEASES}
     assert cli.main(["paths"]) == 0
     text = capsys.readouterr().out
     assert f"jobs_dir      {paths.JOBS_DIR}" in text
@@ -95,7 +110,8 @@ def test_the_start_scripts_defaults_are_the_tables():
 
 
 def test_nix_reads_the_same_table():
-    assert json.loads(ENGINE_JSON.read_text(encoding="utf-8"))["paths"] == TABLE
+    want = {**TABLE, "releases": RELEASES}
+    assert json.loads(ENGINE_JSON.read_text(encoding="utf-8"))["paths"] == want
 
 
 def test_the_retired_role_options_map_to_the_table():

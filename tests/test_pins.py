@@ -105,3 +105,77 @@ def test_vllm_lock_agrees_with_the_pypi_lock_on_the_stack():
 def test_vllm_cuda_is_the_pypi_torch_build():
     assert pins.get("vllm.cuda") == "12.4"
     assert "CUDA 12.4" in pins.get("torch.variants.pypi.description")
+
+
+# -- the locks of the newer verl releases (pins.verl_releases) -----------------------------
+
+RELEASES = sorted(pins.get("verl_releases"))
+
+
+def release(version: str) -> dict:
+    # (not pins.get: the version's dots are not keys)
+    return pins.load()["verl_releases"][version]
+
+
+def release_locks(version: str) -> dict[str, Path]:
+    lock = release(version)["lock"]
+    return {
+        "pypi": ROOT / "files/requirements" / f"{lock}.lock",
+        "cu118": ROOT / "files/requirements" / f"{lock}-cu118.lock",
+    }
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("variant", ["pypi", "cu118"])
+def test_every_release_pin_is_in_its_lock_at_its_version(version, variant):
+    lock = read_lock(release_locks(version)[variant])
+    local = release(version)["torch"]["variants"][variant]["local_version"]
+    for name, version_ in release(version)["python_packages"].items():
+        want = version_ + local if name == "torch" else version_
+        assert lock.get(name) == want, f"{variant}: {name}=={lock.get(name)}, pins say {want}"
+    assert "verl" not in lock  # installed from the patched tree
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_releases_two_locks_agree_on_everything_that_is_not_cuda(version):
+    pypi, cu118 = (read_lock(p) for p in release_locks(version).values())
+    common = lambda lock: {  # noqa: E731
+        n: v.split("+")[0] for n, v in lock.items() if not is_cuda_own(n)
+    }
+    assert common(pypi) == common(cu118)
+    for name, version_ in release(version)["torch"]["variants"]["cu118"]["requires"].items():
+        assert cu118[name] == version_
+    assert not [n for n in cu118 if n.endswith("-cu12")]
+    assert [n for n in pypi if n.endswith("-cu12")] and not [n for n in pypi if n.endswith("-cu11")]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_release_and_its_triton_are_the_ones_torch_requires(version):
+    torch, packages = release(version)["torch"], release(version)["python_packages"]
+    assert packages["torch"] == torch["version"] and packages["triton"] == torch["triton"]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_a_release_runs_the_same_ray_as_the_default(version):
+    # One Ray cluster runs one Ray version; a host's releases share its ray-head/worker units.
+    assert read_lock(release_locks(version)["pypi"])["ray"] == pins.get("python_packages.ray")
+
+
+def test_the_0_9_0_lock_satisfies_verl_0_9_0_and_its_rollout_path():
+    lock = read_lock(release_locks("0.9.0")["pypi"])
+    # verl 0.9.0's setup.py: numpy>=2, tensordict>=0.8.0,<=0.10.0,!=0.9.0,
+    # transformers>=5.5.3,!=5.6.0,<5.11, pyarrow>=19, ray[default]>=2.41.
+    assert int(lock["numpy"].split(".")[0]) >= 2
+    td = tuple(int(x) for x in lock["tensordict"].split("."))
+    assert (0, 8, 0) <= td <= (0, 10, 0) and td[:2] != (0, 9)
+    tf = tuple(int(x) for x in lock["transformers"].split("."))
+    assert (5, 5, 3) <= tf < (5, 11) and tf[:2] != (5, 6)
+    assert int(lock["pyarrow"].split(".")[0]) >= 19
+    # transformers 5 needs torch.float8_e8m0fnu (torch 2.7+); P40s need a build with sm_60
+    # (2.7's cu118 build is the newest with CUDA 11).
+    assert tuple(int(x) for x in lock["torch"].split(".")[:2]) == (2, 7)
+    # Imported on the rollout path, not declared by verl; no vLLM, no flash-attn.
+    for name in ("fastapi", "uvicorn", "cachetools"):
+        assert name in lock, name
+    for name in ("vllm", "flash-attn", "transferqueue"):
+        assert name not in lock, name

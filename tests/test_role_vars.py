@@ -29,6 +29,8 @@ def _defined(role: Path, code: str) -> set[str]:
         for entry in yaml.safe_load(path.read_text(encoding="utf-8"))["argument_specs"].values():
             names |= set(entry.get("options") or {})
     names |= set(re.findall(r"register:\s*(\w+)", code))
+    # A loop's own variable name (an include_tasks loop over a list).
+    names |= set(re.findall(r"loop_var:\s*(\w+)", code))
     # set_fact keys, task and block vars, loop_var: a key at the start of a line.
     names |= set(re.findall(r"^\s+(\w+):", code, re.MULTILINE))
     # Phase tags (<role>_<phase>) are names, not variables.

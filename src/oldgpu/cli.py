@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "oldgpu.guard",
     "oldgpu.topology",
     "oldgpu.venv",
+    "oldgpu.verl_sdist",
     "oldgpu.switch",
     "oldgpu.paths",
     "oldgpu.raynode",

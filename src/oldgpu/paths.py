@@ -8,7 +8,9 @@ reads them from this module: the engine imports it, the roles ask
 ``oldgpu_engine_paths``), the NixOS module reads ``nix/engine.json``
 (``scripts/nix_engine_data.py``), and the two static files that must name them
 literally (the unit and ``files/bin/verl-train``) are checked against this table
-by ``tests/test_paths.py``.
+by ``tests/test_paths.py``. Each newer verl release of files/pins.json has its own
+places beside the default's (``releases`` in ``--json``: its venv link and venvs, its
+tree link and trees, its sdist).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from oldgpu import subcommand
+from oldgpu import pins, subcommand
 from oldgpu.output import Result
 
 # The unprivileged account the jobs run as (the unit's User= and Group=).
@@ -38,13 +40,27 @@ VERL_DIR = CODE_DIR / "verl"  # -> the active patched tree
 
 
 # A verl release other than the default (oldgpu.verl_release) beside it: its venv and
-# patched tree are links like the two above, named for the release.
+# patched tree are links like the two above, named for the release, each to one of its
+# own directory of builds (a switch prunes its target's siblings: one release's builds
+# must not be another's), and its source is the sdist kept beside the default's clone.
 def release_venv(version: str) -> Path:
     return CODE_DIR / f"venv-{version}"
 
 
+def release_venvs(version: str) -> Path:
+    return CODE_DIR / f"venvs-{version}"
+
+
 def release_tree(version: str) -> Path:
     return CODE_DIR / f"verl-{version}"
+
+
+def release_trees(version: str) -> Path:
+    return CODE_DIR / f"trees-{version}"
+
+
+def release_sdist(version: str) -> Path:
+    return VERL_SRC_DIR.parent / f"verl-{version}.tar.gz"
 
 
 # Data, models and checkpoints (owned by USER); the unit's StateDirectory= is
@@ -86,10 +102,29 @@ def as_dict() -> dict[str, str]:
     }
 
 
+def releases() -> dict[str, dict[str, str]]:
+    """Where each newer release of files/pins.json lives (``releases`` in ``--json``)."""
+    newer = pins.load().get("verl_releases") or {}
+    return {
+        v: {
+            "venv_dir": str(release_venv(v)),
+            "venvs_dir": str(release_venvs(v)),
+            "verl_dir": str(release_tree(v)),
+            "trees_dir": str(release_trees(v)),
+            "sdist": str(release_sdist(v)),
+        }
+        for v in newer
+        if v != pins.get("verl.version")
+    }
+
+
 def run(args: argparse.Namespace) -> Result:
     table = as_dict()
     width = max(map(len, table))
-    return Result(table, "\n".join(f"{k:<{width}}  {v}" for k, v in table.items()))
+    lines = [f"{k:<{width}}  {v}" for k, v in table.items()]
+    for version, where in releases().items():
+        lines += [f"verl {version}:"] + [f"  {k:<{width - 2}}  {v}" for k, v in where.items()]
+    return Result({**table, "releases": releases()}, "\n".join(lines))
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:

@@ -200,6 +200,24 @@ CASES = [
     ),
     ("verl commit a branch name", "verl", {"verl_commit": "main"}, ["verl_commit"]),
     (
+        "a job on a verl release the host does not carry",
+        "verl_jobs",
+        {"verl_jobs": [job(verl_version="0.9.0")], "verl_releases": []},
+        ["job-verl-release-missing", "job bad", "verl_releases"],
+    ),
+    (
+        "a verl release the pins do not know",
+        "verl",
+        {"verl_releases": ["0.9.0", "0.6.1"]},
+        ["verl-version-unknown", "verl_releases", "0.6.1"],
+    ),
+    (
+        "the default verl release as a newer one",
+        "python_env",
+        {"verl_releases": ["0.5.0"]},
+        ["verl-version-unknown", "verl_releases", "always installed"],
+    ),
+    (
         "unknown torch variant",
         "python_env",
         {"python_env_variant": "cu999"},

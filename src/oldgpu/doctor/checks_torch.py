@@ -6,8 +6,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from oldgpu import detect, pins, profile
+from oldgpu import detect, pins, profile, verl_release
 from oldgpu.doctor.common import Check, ccs_of, gpus_of, probe_of
+from oldgpu.output import EngineError
 from oldgpu.versions import compare_versions, version_tuple
 
 
@@ -97,8 +98,31 @@ def kernel_coverage(cc: str, arch_list: Sequence[str]) -> dict[str, Any] | None:
     return None
 
 
-def _torch_fix() -> str:
-    build = f"torch=={pins.get('torch.version')}+{pins.get('torch.variant')}"
+def pinned_torch(facts: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The torch the venv should hold: the pins of the verl release its tree is (the
+    manifest's verl_version: a host carries several, oldgpu.verl_release), else the
+    default release's."""
+    manifest = ((facts or {}).get("verl") or {}).get("manifest") or {}
+    version = manifest.get("verl_version")
+    if version and version != verl_release.default():
+        try:
+            torch = verl_release.release(str(version)).get("torch")
+        except EngineError:
+            torch = None
+        if torch:
+            return {"version": torch["version"], "triton": torch["triton"], "release": version}
+    return {
+        "version": pins.get("torch.version"),
+        "triton": pins.get("torch.triton"),
+        "release": verl_release.default(),
+    }
+
+
+def _torch_fix(facts: Mapping[str, Any] | None = None) -> str:
+    want = pinned_torch(facts)
+    build = f"torch=={want['version']}+{pins.get('torch.variant')}"
+    if want["release"] != verl_release.default():
+        build += f" (verl {want['release']}'s lock)"
     return (
         f"install the project's lock into the venv (python_env role): {build} from "
         f"PyTorch's {pins.get('torch.variant')} wheel index, set as python_env_torch_index_url "
@@ -118,9 +142,8 @@ def check_torch_build(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) 
         ).result()
     t = probe.get("torch") or {}
     if not t.get("importable"):
-        return c.add(
-            "fail", f"{probe.get('python')} cannot import torch: {t.get('error')}", _torch_fix()
-        ).result()
+        seen = f"{probe.get('python')} cannot import torch: {t.get('error')}"
+        return c.add("fail", seen, _torch_fix(facts)).result()
     version, cuda = t.get("version"), t.get("cuda")
     arch_list = list(t.get("arch_list") or [])
     c.details = {
@@ -132,22 +155,25 @@ def check_torch_build(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) 
         "kernels": {},
     }
     build = f"torch {version} (CUDA {cuda or 'none'})"
-    pinned_version, variant = pins.get("torch.version"), pins.get("torch.variant")
+    want = pinned_torch(facts)
+    pinned_version, variant = want["version"], pins.get("torch.variant")
     if str(version).split("+", 1)[0] != pinned_version:
+        of = "" if want["release"] == verl_release.default() else f" of verl {want['release']}"
+        cuda_job = prof and prof["device"] == "cuda"
         c.add(
             "warn",
-            f"{build} is not the pinned torch {pinned_version}",
-            _torch_fix() if prof and prof["device"] == "cuda" else "install the project's lock",
+            f"{build} is not the pinned torch {pinned_version}{of}",
+            _torch_fix(facts) if cuda_job else "install the project's lock",
         )
     if prof is None or prof["device"] == "cpu":
         return c.add("ok", f"{build}: the cpu profile needs no CUDA kernels").result()
     if not cuda:
-        return c.add("fail", f"{build} is a CPU-only build", _torch_fix()).result()
+        return c.add("fail", f"{build} is a CPU-only build", _torch_fix(facts)).result()
     if version_tuple(cuda)[:2] != version_tuple(pins.get("cuda.version"))[:2]:
         c.add(
             "warn",
             f"{build}: not the pinned +{variant} build (CUDA {pins.get('cuda.version')})",
-            _torch_fix(),
+            _torch_fix(facts),
         )
     ccs = list(dict.fromkeys(ccs_of(gpus_of(facts)) or [prof["compute_capability"]]))
     drv = facts.get("driver") or {}
@@ -164,7 +190,7 @@ def check_torch_build(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) 
                 "fail",
                 f"{build} has no kernels for CC {cc} (built for {listed}): 'no kernel image is "
                 "available for execution on the device'",
-                _torch_fix() + "; cu128 and newer builds dropped Pascal",
+                _torch_fix(facts) + "; cu128 and newer builds dropped Pascal",
             )
         elif cover["kind"] == "ptx":
             full = pins.get("cuda.min_driver")
@@ -173,7 +199,7 @@ def check_torch_build(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) 
                 "fail" if old else "warn",
                 f"CC {cc} runs {build} only through {cover['code']} PTX (JIT-compiled at "
                 "start-up" + (f"; driver {drv['version']} cannot JIT it" if old else "") + ")",
-                _torch_fix(),
+                _torch_fix(facts),
             )
         else:
             c.add("ok", f"CC {cc} runs the {cover['code']} code of {build}")
@@ -193,7 +219,7 @@ def check_torch_build(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) 
             c.add(
                 "fail",
                 f"a test kernel on cuda:{d.get('index')} failed: {d.get('kernel_error')}",
-                _torch_fix(),
+                _torch_fix(facts),
             )
     driven = [g for g in gpus_of(facts) if g.get("index") is not None]
     count = t.get("device_count") or 0
@@ -219,8 +245,9 @@ def check_triton(facts: Mapping[str, Any], prof: Mapping[str, Any] | None) -> di
     reqs = [r for r in reqs if _marker_applies(r["marker"], probe)]
     c.details = {"installed": dists.get("triton"), "requires": reqs}
     if not reqs:
-        pinned = pins.get("torch.triton")
-        if str(torch_version).split("+", 1)[0] == pins.get("torch.version") and t.get("cuda"):
+        want = pinned_torch(facts)
+        pinned = want["triton"]
+        if str(torch_version).split("+", 1)[0] == want["version"] and t.get("cuda"):
             reqs = [{"name": "triton", "specifier": f"=={pinned}", "marker": ""}]
         else:
             have = dists.get("triton")
