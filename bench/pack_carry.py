@@ -367,7 +367,8 @@ def pack_release(
 ) -> None:
     """site-<v> and verl-<v> for a newer release (the default's ray must be its ray)."""
     v = args.release
-    versions = lock_versions(args.lock or release_lock(v))
+    lock = args.lock or release_lock(v)
+    versions = lock_versions(lock)
     if versions.get("ray") != default_versions.get("ray"):
         raise SystemExit(
             f"verl {v}'s lock pins ray {versions.get('ray')}, the default's "
@@ -383,9 +384,7 @@ def pack_release(
     archives[f"site-{v}"] = {
         **archive(site, f"site-{v}", args.out / f"site-{v}.tar.xz"),
         "packages": reqs,
-        "lock": str((args.lock or release_lock(v)).relative_to(ROOT))
-        if (args.lock or release_lock(v)).is_relative_to(ROOT)
-        else str(args.lock),
+        "lock": str(lock.relative_to(ROOT) if lock.is_relative_to(ROOT) else lock),
     }
     log(f"site-{v}: {archives[f'site-{v}']['mib']} MiB")
     tree = patched_verl(work / f"verl-{v}", v)

@@ -223,6 +223,22 @@ def verl_config(verl_tree: Path, overrides: list[str]) -> Any:
         return compose(config_name="ppo_trainer", overrides=overrides)
 
 
+def assert_overrides_land(cfg: Any, overrides: list[str], target_modules: list[str]) -> None:
+    """Each override's value is the composed config's (LoRA's target list compared as a
+    list; trainer.logger is a list Hydra parses)."""
+    from omegaconf import OmegaConf
+
+    from oldgpu import jobs
+
+    for override in overrides:
+        key, value = jobs.override_key(override), override.split("=", 1)[1]
+        got = OmegaConf.select(cfg, key)
+        if key == "actor_rollout_ref.model.target_modules":
+            assert list(got) == target_modules, override
+        elif key != "trainer.logger":
+            assert str(got) == value, override
+
+
 # -- jobs --------------------------------------------------------------------------------
 
 
