@@ -23,7 +23,6 @@ from typing import Any
 from oldgpu.guard.policy import GuardViolation, Policy
 from oldgpu.guard.state import _STATE, _patch, call_site, record, violation
 
-
 # aten ops that store, move, view or convert a tensor without computing in its dtype
 # (the overload name dropped: aten.cat.default -> cat).
 STORAGE_OPS = frozenset(
