@@ -57,13 +57,16 @@ FIELDS: tuple[Field, ...] = (
     Field("total_steps", "int", REQUIRED, "trainer.total_training_steps"),
     Field("save_freq", "int", 10, "checkpoint every N steps (resume continues from the last)"),
     Field("test_freq", "int", -1, "validate every N steps (-1: never)"),
-    Field("gpus", "count", 1, "GPUs for this job: a number, or all (the cards of one profile)"),
+    # all: a job that leaves gpus out uses the box it was put on (every card of one
+    # profile; FSDP over more cards plans a larger batch, so the planner would pick them
+    # all anyway). A host that runs several jobs at once sets gpus or devices per job.
+    Field("gpus", "count", "all", "GPUs for this job: a number, or all (the default: every card of one profile on the host)"),  # noqa: E501
     Field("devices", "indices", [], "the GPUs (nvidia-smi indices) to run on (empty: the engine chooses)"),  # noqa: E501
-    Field("prompt_length", "int", 256, "data.max_prompt_length (the planner's input)"),
-    Field("response_length", "int", 256, "data.max_response_length (the planner's input)"),
+    Field("prompt_length", "int", recipe.DEFAULT_PROMPT_LENGTH, "data.max_prompt_length (the planner's input; its default is oldgpu plan's)"),  # noqa: E501
+    Field("response_length", "int", recipe.DEFAULT_RESPONSE_LENGTH, "data.max_response_length (the planner's input)"),  # noqa: E501
     Field("train_batch_size", "int", 0, "a train batch to plan for (0: the planner chooses)"),
     Field("algorithm", "str", recipe.DEFAULT_ALGORITHM, "advantage estimator: " + ", ".join(recipe.ALGORITHMS) + " (only gae trains a critic)"),  # noqa: E501
-    Field("rollout_n", "int", 1, "responses sampled per prompt (grpo, rloo: at least 2)"),
+    Field("rollout_n", "int", recipe.DEFAULT_ROLLOUT_N, "responses sampled per prompt (grpo, rloo, reinforce_plus_plus_baseline: at least 2)"),  # noqa: E501
     Field("kl_loss_coef", "float", 0.001, "KL-to-reference loss; on for the critic-free algorithms (0: off)"),  # noqa: E501
     Field("lora_rank", "int", 0, "LoRA adapters of this rank on the actor (0: full fine-tuning)"),
     Field("lora_alpha", "int", 0, "LoRA alpha (0: twice lora_rank)"),
