@@ -24,7 +24,6 @@ Why each decision (verl 0.5.0):
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 

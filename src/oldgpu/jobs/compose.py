@@ -18,9 +18,9 @@ from typing import Any
 from oldgpu import detect, devices, fleet, paths, profile, recipe, topology, verl_release
 from oldgpu import plan as planner
 from oldgpu.jobs import batches
-from oldgpu.plan import spelling
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
+from oldgpu.plan import spelling
 
 
 def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from oldgpu import paths, profile, recipe, verl_release
+from oldgpu.jobs import unit
 from oldgpu.output import EngineError
 
 CONFIG_INVALID = 4
@@ -184,13 +185,6 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             _check_value(field, value)
             if field.kind == "path" and value and not value.startswith("/"):
                 raise invalid(f"{field.name}: {value!r} is not an absolute path")
-            if field.kind == "path" and _under(value, PROTECTED_HOME):
-                raise EngineError(
-                    "job-path-protected",
-                    f"{field.name}: {value!r} is under {', '.join(PROTECTED_HOME)}, which the "
-                    "unit cannot read (ProtectHome=); move it, e.g. under /var/lib/verl or /srv",
-                    code=CONFIG_INVALID,
-                )
         out[field.name] = value
     if not NAME_RE.match(out["name"]):
         raise invalid(
@@ -226,6 +220,16 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             profile.with_choices(prof, out["rollout"], out["compute_dtype"])
         except EngineError as exc:
             raise invalid(f"profile: {exc.message}") from None
+    # What the release cannot run, where the job alone says it (a cluster; vLLM, named or
+    # the forced profile's), refused here rather than when the unit starts.
+    rollout = out["rollout"] or None
+    if out["profile"] and rollout is None:
+        rollout = profile.profile_for_arch(*profile_name(out["profile"]))["rollout"]
+    try:
+        version = out["verl_version"] or verl_release.default()
+        verl_release.check_settings(version, rollout, out["cluster"])
+    except EngineError as exc:
+        raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
     _check_cluster(out)
     for problem in recipe.problems(out):
         raise invalid(problem)
@@ -252,13 +256,16 @@ def _check_cluster(out: Mapping[str, Any]) -> None:
         raise invalid("cluster_nodes: a cluster has at least one node")
 
 
-# systemd's ProtectHome= hides these from the unit (the job's model and data must not be there).
-PROTECTED_HOME = ("/home", "/root", "/run/user")
+# systemd's ProtectHome= hides these from the unit (unit.py reads what the unit hides).
+PROTECTED_HOME = unit.HOME_DIRS
 
 
-def _under(path: str, roots: Sequence[str]) -> bool:
-    normal = os.path.normpath(path)
-    return any(normal == root or normal.startswith(root + "/") for root in roots)
+def check_for_unit(job: Job) -> None:
+    """What a job's unit would refuse at its start, knowable from the job alone: a model or
+    data path its sandbox hides (``oldgpu job env``, where a unit's env file is made)."""
+    given = {f.name: getattr(job, f.name) for f in ENV_FIELDS if f.kind == "path"}
+    for problem in unit.unit_path_problems(given):
+        raise EngineError("job-path-protected", problem, code=CONFIG_INVALID)
 
 
 def _integer(field: Field, value: Any) -> int:

@@ -11,7 +11,6 @@ from typing import Any
 from oldgpu import detect, profile, subcommand, verl_release
 from oldgpu.output import EngineError, Result
 from oldgpu.plan import recipes
-from oldgpu.plan.spelling import PLAN
 from oldgpu.plan.explain import largest_payload, largest_text, payload, text
 from oldgpu.plan.inputs import PPO_MINI_BATCHES, Inputs
 from oldgpu.plan.model import FAMILIES, SHAPES, load_model_dir
@@ -23,6 +22,7 @@ from oldgpu.plan.search import (
     largest,
     plan,
 )
+from oldgpu.plan.spelling import PLAN
 
 DEFAULT_FAMILY = "qwen2.5"
 
@@ -233,7 +233,8 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     recipe.add_argument(
         "--algorithm",
         metavar="NAME",
-        help="verl's algorithm.adv_estimator, as a job's algorithm: " + ", ".join(recipes.ALGORITHMS),
+        help="verl's algorithm.adv_estimator, as a job's algorithm: "
+        + ", ".join(recipes.ALGORITHMS),
     )
     recipe.add_argument(
         "--rollout-n",

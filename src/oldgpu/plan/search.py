@@ -17,11 +17,11 @@ from typing import Any
 
 from oldgpu.output import EngineError
 from oldgpu.plan import recipes
-from oldgpu.plan.spelling import NO_CRITIC, NO_REF, setting, switch
-from oldgpu.plan.spelling import name as spell
 from oldgpu.plan.inputs import Choice, Inputs, Offload
 from oldgpu.plan.memory import PhaseEstimate, estimate, estimate_phase, per_gpu_batch
 from oldgpu.plan.model import FAMILIES, PRECISIONS, SHAPES
+from oldgpu.plan.spelling import NO_CRITIC, NO_REF, setting, switch
+from oldgpu.plan.spelling import name as spell
 
 # The cap the peak must stay at or under: min(memory - CAP_MARGIN_MIB, CAP_FRACTION *
 # memory), i.e. 22 GiB on a 24 GiB card. --headroom-mib N makes it memory - N.
@@ -289,8 +289,7 @@ def does_not_fit(inp: Inputs) -> str:
     fixes = []
     if inp.target_train_batch and search(replace(inp, target_train_batch=None)):
         fixes.append(
-            f"a smaller {spell(ui, 'target_train_batch')} (or none: the planner finds the "
-            "largest)"
+            f"a smaller {spell(ui, 'target_train_batch')} (or none: the planner finds the largest)"
         )
     shorter = _longest_response_that_fits(inp)
     if shorter:
