@@ -55,9 +55,7 @@ def test_what_is_hidden_follows_the_unit_file():
         ("critic_model_path", "/root/critic", "ProtectHome=yes"),
     ],
 )
-def test_a_path_the_unit_cannot_see_is_refused_at_job_env(
-    capsys, tmp_path, field, path, hidden_by
-):
+def test_a_path_the_unit_cannot_see_is_refused_at_job_env(capsys, tmp_path, field, path, hidden_by):
     code, doc = job_env(capsys, tmp_path, spec(SRV, **{field: path}))
     assert code == jobs.CONFIG_INVALID
     assert doc["error"] == "job-path-protected"
