@@ -27,6 +27,7 @@ def job_env(capsys, tmp_path, values, *flags) -> tuple[int, dict]:
 
 def test_the_engine_reads_the_units_own_file():
     assert unit.unit_text() == UNIT.read_text()
+    assert unit.CONFIG_INVALID == jobs.CONFIG_INVALID
     hidden = unit.hidden()
     assert hidden == {
         "/home": "ProtectHome=yes",
@@ -101,3 +102,28 @@ def test_the_roles_preflight_asks_job_env_with_the_units_checks():
     assert env_calls, argv
     for a in env_calls:
         assert "--outside-unit" not in a
+
+
+# -- smaller: secrets, typos --------------------------------------------------------------
+
+
+def test_the_roles_secrets_are_checked_and_never_rendered(capsys, tmp_path):
+    """docs/jobs.md's job carries `secrets:` (the role writes them to <name>.secrets.env)."""
+    secret = "s3cr3t-value"
+    code, doc = job_env(capsys, tmp_path, spec(SRV, secrets={"WANDB_API_KEY": secret}))
+    assert code == 0, doc
+    assert secret not in doc["env"] and "WANDB" not in doc["env"]
+    code, doc = job_env(capsys, tmp_path, spec(SRV, secrets={"WANDB-KEY": secret}))
+    assert (code, doc["error"]) == (jobs.CONFIG_INVALID, "job-secrets-invalid")
+    assert secret not in json.dumps(doc)
+    code, doc = job_env(capsys, tmp_path, spec(SRV, secrets={"K": "it's"}))
+    assert (code, doc["error"]) == (jobs.CONFIG_INVALID, "job-secrets-invalid")
+
+
+def test_a_mistyped_setting_gets_a_did_you_mean(capsys, tmp_path):
+    code, doc = job_env(capsys, tmp_path, spec(SRV, rollout_nn=2, modle_path="/srv/m"))
+    assert code == jobs.CONFIG_INVALID
+    assert "rollout_nn (did you mean rollout_n?)" in doc["message"]
+    assert "modle_path (did you mean model_path?)" in doc["message"]
+    code, doc = job_env(capsys, tmp_path, spec(SRV, zzz=1))
+    assert "zzz" in doc["message"] and "did you mean" not in doc["message"]

@@ -21,6 +21,7 @@ from oldgpu.jobs.settings import (
     STATE_DIR,
     Job,
     check_for_unit,
+    choices,
     invalid,
     job_from_env,
     job_from_mapping,
@@ -87,10 +88,15 @@ def run_fields(args: argparse.Namespace) -> Result:
             "required": f.default is REQUIRED,
             "default": None if f.default is REQUIRED else f.default,
             "help": f.help,
+            "choices": choices(f),
         }
         for f in FIELDS
     ]
-    text = "\n".join(f"{d['name']:<20} {d['type']:<5} {d['help']}" for d in doc)
+    text = "\n".join(
+        f"{d['name']:<20} {d['type']:<5} {d['help']}"
+        + (f"\n{'':<27}one of: {', '.join(d['choices'])}" if d["choices"] else "")
+        for d in doc
+    )
     return Result(doc, text)
 
 

@@ -9,6 +9,7 @@ shell's ``.`` read it alike, so values may hold neither a quote nor a newline.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -75,7 +76,7 @@ FIELDS: tuple[Field, ...] = (
     Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
     Field("rollout", "str", "", "hf or vllm instead of the profile's rollout (empty: the profile's)"),  # noqa: E501
     Field("compute_dtype", "str", "", "fp32 instead of the profile's dtype (empty: the profile's)"),
-    Field("verl_version", "str", "", "the verl release to run (empty: the default, pins' verl.version; oldgpu job fields lists them)"),  # noqa: E501
+    Field("verl_version", "str", "", "the verl release to run (empty: the default, pins' verl.version; oldgpu job fields lists the choices)"),  # noqa: E501
     Field("overrides", "list", [], "extra Hydra overrides, applied last"),
     Field("cluster", "str", "", "run on this Ray cluster (ray_cluster_name) instead of a private Ray on this host"),  # noqa: E501
     Field("cluster_address", "str", "", "the cluster head's host:port (the verl_jobs role fills it in)"),  # noqa: E501
@@ -86,6 +87,28 @@ FIELDS: tuple[Field, ...] = (
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # ``enabled`` is systemd's business (the unit's enablement), not the job's env.
 ENV_FIELDS = tuple(f for f in FIELDS if f.name != "enabled")
+
+
+def choices(field: Field) -> list[str] | None:
+    """The values a str setting may take (``oldgpu job fields`` lists them); None: any."""
+    if field.name == "verl_version":
+        return list(verl_release.releases())
+    if field.name == "algorithm":
+        return list(recipe.ALGORITHMS)
+    if field.name == "rollout":
+        return list(profile.ROLLOUTS)
+    if field.name == "compute_dtype":
+        return list(COMPUTE_DTYPES)
+    if field.name == "profile":
+        return sorted(profile.PROFILES)
+    return None
+
+
+COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
+# Keys a front-end's job carries beside the fields, never written to the env file: the
+# verl_jobs role writes ``secrets`` (variable -> value) to <name>.secrets.env itself.
+FRONTEND_KEYS = ("secrets",)
+SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def invalid(message: str) -> EngineError:
@@ -150,9 +173,10 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
     """A job from inventory-style values (``name``, ``model_path``, ...), validated."""
     if not isinstance(values, Mapping):
         raise invalid(f"a job is a JSON object of settings, not {type(values).__name__}")
-    unknown = sorted(set(values) - set(FIELD_BY_NAME))
+    unknown = sorted(set(values) - set(FIELD_BY_NAME) - set(FRONTEND_KEYS))
     if unknown:
-        raise invalid(f"unknown job settings: {', '.join(unknown)}")
+        raise invalid(f"unknown job settings: {', '.join(_with_hint(k) for k in unknown)}")
+    _check_secrets(values.get("secrets"))
     out: dict[str, Any] = {}
     for field in ENV_FIELDS:
         value = values.get(field.name, field.default)
@@ -210,7 +234,7 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
         raise invalid(
             f"verl_version: {out['verl_version']!r} is not one of {list(verl_release.releases())}"
         )
-    if out["compute_dtype"] not in ("", "fp32", "fp16", "bf16"):
+    if out["compute_dtype"] not in ("", *COMPUTE_DTYPES):
         raise invalid(f"compute_dtype: {out['compute_dtype']!r} is not fp32, fp16 or bf16")
     if out["profile"]:
         try:  # what `job command` resolves; refused here so a unit never starts with it
@@ -234,6 +258,34 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
     for problem in recipe.problems(out):
         raise invalid(problem)
     return Job(**out)
+
+
+def _with_hint(key: str) -> str:
+    """An unknown setting, with the field it is closest to (``rollout_nn``: rollout_n)."""
+    close = difflib.get_close_matches(str(key), [*FIELD_BY_NAME, *FRONTEND_KEYS], n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else str(key)
+
+
+def _check_secrets(secrets: Any) -> None:
+    """The role's ``secrets``: environment variable names to values an env file can hold.
+    Checked, never rendered (the message names no value)."""
+    if secrets is None:
+        return
+    if not isinstance(secrets, Mapping):
+        raise invalid("secrets: a mapping of environment variable names to values")
+    for key, value in secrets.items():
+        if not isinstance(key, str) or not SECRET_NAME_RE.match(key):
+            raise EngineError(
+                "job-secrets-invalid",
+                f"secrets: {key!r} is not an environment variable name",
+                code=CONFIG_INVALID,
+            )
+        if not isinstance(value, str | int | float) or any(c in str(value) for c in "'\n\r"):
+            raise EngineError(
+                "job-secrets-invalid",
+                f"secrets: the value of {key} holds a quote or a newline, or is not a string",
+                code=CONFIG_INVALID,
+            )
 
 
 CLUSTER_ADDRESS_RE = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")

@@ -17,6 +17,9 @@ import os
 from collections.abc import Mapping
 from importlib import resources
 
+from oldgpu.output import EngineError
+
+CONFIG_INVALID = 4  # settings.CONFIG_INVALID (settings imports this module)
 UNIT_NAME = "verl-train@.service"
 HOME_DIRS = ("/home", "/root", "/run/user")
 TMP_DIRS = ("/tmp", "/var/tmp")
@@ -25,7 +28,15 @@ PATH_PREFIXES = "-+"
 
 
 def unit_text() -> str:
-    return (resources.files("oldgpu") / "data" / UNIT_NAME).read_text(encoding="utf-8")
+    try:
+        return (resources.files("oldgpu") / "data" / UNIT_NAME).read_text(encoding="utf-8")
+    except OSError as exc:  # a package built without it: the check cannot be made
+        raise EngineError(
+            "job-unit-file-missing",
+            f"the engine's copy of {UNIT_NAME} (oldgpu/data/) cannot be read: {exc.strerror}; "
+            "reinstall the engine",
+            code=CONFIG_INVALID,
+        ) from None
 
 
 def settings(text: str) -> list[tuple[str, str]]:
