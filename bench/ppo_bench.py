@@ -309,6 +309,8 @@ def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -
         "prompt_length": assets["prompt_length"],
         "response_length": assets["response_length"],
         "profile": setting.profile if scale == "gpu" else "cpu",
+        # one card, as every result so far (a job's default, all, follows the machine)
+        "gpus": 1,
         **job,
         "overrides": overrides,
     }
