@@ -334,6 +334,8 @@ def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -
         "prompt_length": assets["prompt_length"],
         "response_length": assets["response_length"],
         "profile": setting.profile if scale == "gpu" else "cpu",
+        # one card, as every result so far (a job's default, all, follows the machine)
+        "gpus": 1,
         **job,
         "overrides": overrides,
     }
@@ -366,7 +368,8 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "state", ignore_errors=True)  # resume_mode=auto: start afresh
     (out / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
-    env_text = engine("job", "env", str(out / "job.json"))
+    # run by this script, not verl-train@.service: its sandbox's path checks do not apply
+    env_text = engine("job", "env", "--outside-unit", str(out / "job.json"))
     (out / "job.env").write_text(env_text)
     state = out / "state"
     composed = json.loads(

@@ -92,13 +92,19 @@ def dirs(version: str, environ: Mapping[str, str] | None = None) -> dict[str, st
 
 def check_job(version: str, prof: Mapping[str, Any], cluster: str) -> None:
     """What a newer release cannot run yet: a named error before anything starts."""
+    check_settings(version, prof["rollout"], cluster)
+
+
+def check_settings(version: str, rollout: str | None, cluster: str) -> None:
+    """``check_job`` with what a job's settings alone tell (``rollout`` None: not known
+    until the host's profile is), so ``oldgpu job env`` refuses it before a unit exists."""
     release(version)
     if version == default():
         return
-    if prof["rollout"] != "hf":
+    if rollout is not None and rollout != "hf":
         raise EngineError(
             "verl-version-unsupported",
-            f"verl {version} with the {prof['rollout']} rollout is not provided: its lock has "
+            f"verl {version} with the {rollout} rollout is not provided: its lock has "
             "no vLLM; use verl_version "
             f"{default()} or rollout hf (the {ROLLOUT_NAME} server)",
         )

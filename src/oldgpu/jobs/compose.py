@@ -20,6 +20,7 @@ from oldgpu import plan as planner
 from oldgpu.jobs import batches
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
+from oldgpu.plan import spelling
 
 
 def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def plan_inputs(
     """The planner's inputs; ``gpus`` is the count of the chosen cards (FSDP shards over them)."""
     return planner.Inputs(
         memory_mib=int(memory_mib),
-        gpus=_gpu_count(job) if gpus is None else gpus,
+        gpus=_gpu_count(job, prof) if gpus is None else gpus,
         shape=planner.shape_from_config(model_config),
         prompt_length=job.prompt_length,
         response_length=job.response_length,
@@ -62,6 +63,7 @@ def plan_inputs(
         target_train_batch=job.train_batch_size or None,
         model_name=job.model_path,
         profile_name=prof["name"],
+        interface=spelling.JOB,  # a refusal names the job's settings, not plan's flags
         **verl_release.plan_fields(job.verl_version or verl_release.default()),
         # The recipe, validated by the planner (it owns which estimator has a critic).
         **planner.recipe_fields(
@@ -75,8 +77,14 @@ def plan_inputs(
     )
 
 
-def _gpu_count(job: Job) -> int:
-    """The job's count when no cards were chosen (``all`` needs the host's cards)."""
+CUDA = {"device": "cuda"}  # a caller that names no profile
+
+
+def _gpu_count(job: Job, prof: Mapping[str, Any]) -> int:
+    """The job's count when no cards were chosen (``all`` needs the host's cards; the cpu
+    profile plans one worker)."""
+    if job.gpus == "all" and prof["device"] == "cpu":
+        return 1
     if job.gpus == "all":
         raise EngineError(
             "gpus-all-needs-host",
@@ -106,7 +114,11 @@ def merge_overrides(*groups: Iterable[str]) -> list[str]:
 
 
 def job_overrides(
-    job: Job, paths: Mapping[str, Path], gpus: int | None = None, nnodes: int = 1
+    job: Job,
+    paths: Mapping[str, Path],
+    gpus: int | None = None,
+    nnodes: int = 1,
+    prof: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """What the job itself decides: data, model, schedule, logging, resume."""
     critic = []
@@ -128,7 +140,7 @@ def job_overrides(
         f"trainer.save_freq={job.save_freq}",
         f"trainer.test_freq={job.test_freq}",
         f"trainer.nnodes={nnodes}",
-        f"trainer.n_gpus_per_node={_gpu_count(job) if gpus is None else gpus}",
+        f"trainer.n_gpus_per_node={_gpu_count(job, prof or CUDA) if gpus is None else gpus}",
         "trainer.project_name=verl",
         f"trainer.experiment_name={job.name}",
         "trainer.logger=['console','tensorboard']",
@@ -184,7 +196,7 @@ def compose(
         *merge_overrides(
             verl_release.profile_overrides(version, prof),
             verl_release.translate(version, plan_overrides),
-            job_overrides(job, paths, count, nnodes),
+            job_overrides(job, paths, count, nnodes, prof),
             verl_release.translate(version, recipe.overrides(job, prof)),
             verl_release.translate(version, job.overrides),
         ),

@@ -15,6 +15,7 @@ from oldgpu.plan.memory import (
     VLLM_CUDA_GRAPH_MIB,
     PhaseEstimate,
     estimate_phase,
+    generate_kv,
     param_offload_frees,
     per_gpu_batch,
     reserve_factor,
@@ -78,6 +79,10 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
             f"actor_rollout_ref.rollout.max_num_batched_tokens={vllm['max_num_batched_tokens']}",
             f"actor_rollout_ref.rollout.enforce_eager={_b(vllm['enforce_eager'])}",
         ]
+    if inp.rollout_copy:
+        # The rollout server's max batch (min of this and its default): what the plan counted.
+        batch = memory.server_batch(inp, choice.train_batch_size)
+        out.append(f"actor_rollout_ref.rollout.max_num_seqs={batch}")
     if inp.device == "cuda":
         out.append(f"trainer.n_gpus_per_node={inp.gpus}")
     return out
@@ -136,11 +141,16 @@ def _reasons(found: Plan) -> dict[str, str]:
         return est.moments.get(moment, {}).get(key, 0.0)
 
     gen = ph["generate"]
-    kv = item(gen, "decode", "kv_cache")
+    kv, rows = generate_kv(inp, gen, c.train_batch_size)
     r: dict[str, str] = {}
+    held = f"{rows} x {inp.seq} tokens per GPU"
+    if inp.rollout_copy:  # the server queues the rest of the GPU's rollout batch
+        held = (
+            f"{rows} x {inp.seq} tokens, the rollout server's batch of the "
+            f"{per_gpu_batch(inp, c.train_batch_size)} sequences per GPU"
+        )
     batch_line = (
-        f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for "
-        f"{per_gpu_batch(inp, c.train_batch_size)} x {inp.seq} tokens per GPU)"
+        f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for {held})"
     )
     cands = batch_candidates(replace(inp, target_train_batch=None))
     nxt = next((b for b in cands if b > c.train_batch_size), None)
@@ -278,6 +288,11 @@ def _reasons(found: Plan) -> dict[str, str]:
         r["actor_rollout_ref.rollout.enforce_eager"] = (
             "CUDA graphs are captured outside vLLM's share: eager unless "
             f"{VLLM_CUDA_GRAPH_MIB} MiB are free beside the generate phase"
+        )
+    if inp.rollout_copy:
+        r["actor_rollout_ref.rollout.max_num_seqs"] = (
+            f"the rollout server's max batch, whose KV cache the generate phase counts "
+            f"({kv:.0f} MiB); it queues the rest of the GPU's rollout batch"
         )
     r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
     r.update(_recipe_reasons(found))

@@ -40,6 +40,9 @@ class Inputs:
     # copy of the weights of its own while it generates (0.9.0's oldgpu-hf).
     logits_patch: bool = True
     rollout_copy: bool = False
+    # Who asks (plan/spelling.py): ``plan`` (oldgpu plan's flags) or ``job`` (a job's
+    # settings); a refusal names what to change in the asker's own terms.
+    interface: str = "plan"
 
     @property
     def seq(self) -> int:

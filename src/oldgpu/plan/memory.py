@@ -203,6 +203,8 @@ VLLM_BATCHED_TOKENS = 8192
 # phase counts. Not calibrated: the one 0.5B run (H100, GRPO batch 32 x 4,
 # bench/results/2026-12-06-h100/call6) peaked at 24,667 MiB device-wide for the trainer and
 # the server together, and its split between them was not recorded (docs/benchmarks.md).
+# The plan sets rollout.max_num_seqs to the batch it counted (``server_batch``): the server
+# takes min(max_num_seqs, its default) as its max batch, so it holds no more than planned.
 ROLLOUT_SERVER_BATCH = 64
 
 PHASES = (
@@ -297,6 +299,22 @@ def _infer_elems(s: ModelShape) -> float:
 def per_gpu_batch(inp: Inputs, train_batch: int) -> int:
     """Sequences each GPU generates and scores: train_batch_size x rollout.n / gpus."""
     return max(1, math.ceil(train_batch * inp.rollout_n / inp.gpus))
+
+
+def server_batch(inp: Inputs, train_batch: int) -> int:
+    """Sequences the rollout server generates at once, whose KV cache it holds: the GPU's
+    rollout batch, at most its max batch (``ROLLOUT_SERVER_BATCH``); it queues the rest."""
+    return min(per_gpu_batch(inp, train_batch), ROLLOUT_SERVER_BATCH)
+
+
+def generate_kv(inp: Inputs, phase: PhaseEstimate, train_batch: int) -> tuple[float, int]:
+    """The generate phase's KV cache in MiB at the end of decoding, and the sequences it
+    holds at once: the trainer's HF generate or vLLM (the GPU's whole rollout batch), or
+    the rollout server (its batch)."""
+    decode = phase.moments.get("decode", {})
+    if inp.rollout_copy:
+        return decode.get("rollout_server_kv_cache", 0.0), server_batch(inp, train_batch)
+    return decode.get("kv_cache", 0.0), per_gpu_batch(inp, train_batch)
 
 
 def param_offload_frees(inp: Inputs) -> bool:
@@ -481,7 +499,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
 def _rollout_server(inp: Inputs, batch: int) -> dict[str, float]:
     """The rollout server's generate footprint: its weights, KV cache and sampling."""
     s, cb = inp.shape, inp.precision.compute
-    rows = min(batch, ROLLOUT_SERVER_BATCH)
+    rows = min(batch, ROLLOUT_SERVER_BATCH)  # server_batch's
     kv_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.dim * cb
     return {
         "rollout_server_weights": _mib(s.params() * cb),

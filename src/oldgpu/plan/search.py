@@ -20,6 +20,8 @@ from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs, Offload
 from oldgpu.plan.memory import PhaseEstimate, estimate, estimate_phase, per_gpu_batch
 from oldgpu.plan.model import FAMILIES, PRECISIONS, SHAPES
+from oldgpu.plan.spelling import NO_CRITIC, NO_REF, setting, switch
+from oldgpu.plan.spelling import name as spell
 
 # The cap the peak must stay at or under: min(memory - CAP_MARGIN_MIB, CAP_FRACTION *
 # memory), i.e. 22 GiB on a 24 GiB card. --headroom-mib N makes it memory - N.
@@ -212,12 +214,17 @@ def search(inp: Inputs) -> Plan | None:
 
 
 def validate(inp: Inputs) -> None:
+    ui = inp.interface
     for name in ("memory_mib", "gpus", "prompt_length", "response_length", "rollout_n"):
         value = getattr(inp, name)
         if not isinstance(value, int) or value < 1:
-            raise EngineError("plan-bad-input", f"{name} must be a positive integer, not {value}")
+            raise EngineError(
+                "plan-bad-input", f"{spell(ui, name)} must be a positive integer, not {value}"
+            )
     if inp.target_train_batch is not None and inp.target_train_batch < 1:
-        raise EngineError("plan-bad-input", "--target-train-batch must be a positive integer")
+        raise EngineError(
+            "plan-bad-input", f"{spell(ui, 'target_train_batch')} must be a positive integer"
+        )
     if inp.headroom_mib is not None and inp.headroom_mib < 0:
         # A negative margin plans a peak above the card's memory.
         raise EngineError(
@@ -238,7 +245,10 @@ def validate(inp: Inputs) -> None:
     if inp.compute_dtype not in PRECISIONS:
         raise EngineError("plan-bad-input", f"no memory figures for dtype {inp.compute_dtype!r}")
     if inp.device == "cpu" and inp.gpus != 1:
-        raise EngineError("plan-bad-input", "the cpu profile plans one worker process: --gpus 1")
+        raise EngineError(
+            "plan-bad-input",
+            f"the cpu profile plans one worker process: {setting(inp.interface, 'gpus', 1)}",
+        )
     recipes.validate(
         inp.algorithm,
         inp.critic,
@@ -275,18 +285,23 @@ def does_not_fit(inp: Inputs) -> str:
         f"micro batch 1, gradient checkpointing and the best offload ('{level}'), the {worst} "
         f"phase needs {est.peak:.0f} MiB, over the cap of {cap_mib(inp)} MiB ({parts} MiB)."
     )
+    ui = inp.interface  # the fixes in the asker's terms: flags, or a job's settings
     fixes = []
     if inp.target_train_batch and search(replace(inp, target_train_batch=None)):
-        fixes.append("a smaller --target-train-batch (or none: the planner finds the largest)")
+        fixes.append(
+            f"a smaller {spell(ui, 'target_train_batch')} (or none: the planner finds the largest)"
+        )
     shorter = _longest_response_that_fits(inp)
     if shorter:
-        fixes.append(f"shorter responses (--response-length {shorter} fits)")
+        fixes.append(f"shorter responses ({setting(ui, 'response_length', shorter)} fits)")
     if inp.device == "cuda":
         more = next(
             (g for g in (2, 4, 8, 16) if g > inp.gpus and search(replace(inp, gpus=g))), None
         )
         if more:
-            fixes.append(f"more GPUs (--gpus {more} fits: FSDP shards weights, grads, Adam)")
+            fixes.append(
+                f"more GPUs ({setting(ui, 'gpus', more)} fits: FSDP shards weights, grads, Adam)"
+            )
         else:
             fixes.append(
                 "more GPUs do not help alone"
@@ -294,17 +309,17 @@ def does_not_fit(inp: Inputs) -> str:
             )
         capped = MAX_OFFLOAD[inp.max_offload] < MAX_OFFLOAD["all"]
         if capped and search(replace(inp, max_offload="all")):
-            fixes.append("allow offload (--max-offload all)")
+            fixes.append(f"allow offload ({setting(ui, 'max_offload', 'all')})")
     if inp.critic and inp.algorithm is None and search(replace(inp, critic=False)):
-        fixes.append("no critic (GRPO: --no-critic fits)")
+        fixes.append(f"no critic (GRPO: {switch(ui, NO_CRITIC)} fits)")
     elif inp.critic and search(replace(inp, algorithm="grpo", critic=False)):
-        fixes.append("a critic-free estimator (--algorithm grpo fits)")
+        fixes.append(f"a critic-free estimator ({setting(ui, 'algorithm', 'grpo')} fits)")
     if inp.ref and not inp.lora and search(replace(inp, ref=False)):
-        fixes.append("no reference model (no KL: --no-ref fits)")
+        fixes.append(f"no reference model (no KL: {switch(ui, NO_REF)} fits)")
     if not inp.lora and search(replace(inp, lora_rank=SUGGESTED_LORA_RANK)):
         fixes.append(
-            f"LoRA (--lora-rank {SUGGESTED_LORA_RANK} fits: gradients and Adam for the "
-            "adapters only, and no ref copy)"
+            f"LoRA ({setting(ui, 'lora_rank', SUGGESTED_LORA_RANK)} fits: gradients and Adam "
+            "for the adapters only, and no ref copy)"
         )
     smaller = [
         name
