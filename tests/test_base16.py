@@ -75,8 +75,10 @@ def build(dtype):
     with torch.no_grad():
         for n, p in lora.items():
             p.copy_(lora_init[n])
-    policy = oldgpu_compat.embedding_units(get_fsdp_wrap_policy(module=m, config=None, is_lora=True), m)
-    mp = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    verls = get_fsdp_wrap_policy(module=m, config=None, is_lora=True)
+    policy = oldgpu_compat.embedding_units(verls, m)
+    fp32 = torch.float32
+    mp = MixedPrecision(param_dtype=fp32, reduce_dtype=fp32, buffer_dtype=fp32)
     return FSDP(m, auto_wrap_policy=policy, mixed_precision=mp, device_id=torch.device("cpu"),
                 use_orig_params=False, sync_module_states=False)
 
@@ -96,9 +98,10 @@ for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     inv_freq = [b for n, b in model.named_buffers() if n.endswith("inv_freq")]
     units = [type(m.module).__name__ for m in FSDP.fsdp_modules(model)]
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
     out[name] = dict(logp=logp.detach(), grads=grads, stored=sorted(stored),
                      logits=str(logits.dtype), inv_freq=str(inv_freq[0].dtype),
-                     units=units, bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+                     units=units, bytes=size)
 a, b = out["fp32"], out["bf16"]
 print(json.dumps(dict(
     logp_max_diff=(a["logp"] - b["logp"]).abs().max().item(),
@@ -106,16 +109,15 @@ print(json.dumps(dict(
     grad_max_rel=max(((a["grads"][k] - b["grads"][k]).abs().max() /
                       a["grads"][k].abs().max()).item() for k in a["grads"]),
     n_grads=len(a["grads"]),
-    **{f"{k}_{n}": out[n][k] for n in out for k in ("stored", "logits", "inv_freq", "units", "bytes")},
+    **{f"{k}_{n}": out[n][k] for n in out
+       for k in ("stored", "logits", "inv_freq", "units", "bytes")},
 )))
 dist.destroy_process_group()
 """
 
 
 @needs_torch
-def test_a_16bit_base_computes_like_its_fp32_twin(
-    verl_tree: Path, tmp_path: Path, capsys
-) -> None:
+def test_a_16bit_base_computes_like_its_fp32_twin(verl_tree: Path, tmp_path: Path, capsys) -> None:
     code, doc = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert code == 0, doc
     script = TWINS.replace("__SRC__", repr(str(SITE_DIR.parents[1])))

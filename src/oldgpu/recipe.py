@@ -30,7 +30,9 @@ from typing import Any
 # The algorithms a job (and the planner) accepts, and their rules: plan/recipes.py owns
 # them, so `oldgpu plan` and a job refuse the same settings.
 from oldgpu.plan.recipes import ALGORITHMS as ALGORITHMS
+from oldgpu.plan.recipes import BASE_DTYPES as BASE_DTYPES
 from oldgpu.plan.recipes import DEFAULT_ALGORITHM as DEFAULT_ALGORITHM
+from oldgpu.plan.recipes import DEFAULT_BASE_DTYPE as DEFAULT_BASE_DTYPE
 from oldgpu.plan.recipes import DEFAULT_PROMPT_LENGTH as DEFAULT_PROMPT_LENGTH
 from oldgpu.plan.recipes import DEFAULT_RESPONSE_LENGTH as DEFAULT_RESPONSE_LENGTH
 from oldgpu.plan.recipes import DEFAULT_ROLLOUT_N as DEFAULT_ROLLOUT_N

@@ -17,6 +17,7 @@ from typing import Any
 
 from oldgpu import detect, devices, fleet, paths, profile, recipe, topology, verl_release
 from oldgpu import plan as planner
+from oldgpu.guard.policy import ENV_STORAGE_DTYPES
 from oldgpu.jobs import batches
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
@@ -51,6 +52,7 @@ def plan_inputs(
     gpus: int | None = None,
 ) -> planner.Inputs:
     """The planner's inputs; ``gpus`` is the count of the chosen cards (FSDP shards over them)."""
+    version = job.verl_version or verl_release.default()
     return planner.Inputs(
         memory_mib=int(memory_mib),
         gpus=_gpu_count(job, prof) if gpus is None else gpus,
@@ -64,7 +66,7 @@ def plan_inputs(
         model_name=job.model_path,
         profile_name=prof["name"],
         interface=spelling.JOB,  # a refusal names the job's settings, not plan's flags
-        **verl_release.plan_fields(job.verl_version or verl_release.default()),
+        **verl_release.plan_fields(version),
         # The recipe, validated by the planner (it owns which estimator has a critic).
         **planner.recipe_fields(
             algorithm=job.algorithm,
@@ -73,6 +75,7 @@ def plan_inputs(
             lora_alpha=job.lora_alpha,
             lora_target_modules=job.lora_target_modules,
             ref=recipe.needs_ref(job),
+            base_dtype=verl_release.plan_base_dtype(version, job.base_dtype),
         ),
     )
 
@@ -204,6 +207,7 @@ def compose(
     batches.check(job.name, argv)
     env = {
         **environment(job, prof, paths),
+        **storage_environment(plan_doc),
         **verl_release.environment(version, prof, os.environ if environ is None else environ),
         **({} if cards is None else devices.visible_devices_env(cards)),
         **(nccl or {}),
@@ -293,6 +297,13 @@ def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) ->
         # Fewer unusable fragments when offload moves tensors in and out.
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
+
+
+def storage_environment(plan_doc: Mapping[str, Any]) -> dict[str, str]:
+    """A LoRA base the plan stores at 16 bits: the P40 guard (a GPU proof's) lets the job
+    store and convert that dtype, and still refuses any arithmetic in it."""
+    base = plan_doc["inputs"].get("lora", {}).get("base_dtype", "fp32")
+    return {ENV_STORAGE_DTYPES: base} if base in ("bf16", "fp16") else {}
 
 
 def _memory_mib(prof: Mapping[str, Any], gpus: Sequence[Mapping[str, Any]]) -> int:

@@ -73,6 +73,7 @@ FIELDS: tuple[Field, ...] = (
     Field("lora_rank", "int", 0, "LoRA adapters of this rank on the actor (0: full fine-tuning)"),
     Field("lora_alpha", "int", 0, "LoRA alpha (0: twice lora_rank)"),
     Field("lora_target_modules", "list", [], "modules LoRA adapts, e.g. [q_proj, v_proj] (empty: all-linear)"),  # noqa: E501
+    Field("base_dtype", "str", recipe.DEFAULT_BASE_DTYPE, "how LoRA stores the frozen base, computed in fp32 either way: " + ", ".join(recipe.BASE_DTYPES) + " (auto: fp32 if it fits, else bf16)"),  # noqa: E501
     Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
     Field("rollout", "str", "", "hf or vllm instead of the profile's rollout (empty: the profile's)"),  # noqa: E501
     Field("compute_dtype", "str", "", "fp32 instead of the profile's dtype (empty: the profile's)"),
@@ -151,6 +152,7 @@ class Job:
     cluster: str = ""
     cluster_address: str = ""
     cluster_nodes: int = 0
+    base_dtype: str = "auto"
 
     # Where its state lives: systemd's StateDirectory= (STATE_DIRECTORY), else the default.
     def state_dir(self, environ: Mapping[str, str] | None = None) -> Path:
@@ -252,6 +254,7 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
     try:
         version = out["verl_version"] or verl_release.default()
         verl_release.check_settings(version, rollout, out["cluster"])
+        verl_release.plan_base_dtype(version, out["base_dtype"])
     except EngineError as exc:
         raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
     _check_cluster(out)

@@ -83,6 +83,7 @@ def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha,
             "lora_target_modules": modules,
+            "base_dtype": args.base_dtype,
         }
         for problem in recipes.setting_problems(values, PLAN):
             unknown = args.algorithm not in recipes.ALGORITHMS
@@ -97,6 +98,8 @@ def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha,
         "lora_target_modules": modules,
+        # auto stays fp32 without LoRA; fp32 unless asked: a 16-bit base needs LoRA
+        "base_dtype": args.base_dtype if args.lora_rank or args.base_dtype != "auto" else "fp32",
     }
 
 
@@ -111,6 +114,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     prof, gpus = _profile_from_args(args)
     version = args.verl_version or verl_release.default()
     verl_release.check_job(version, prof, "")  # what a job of that release would refuse
+    recipe["base_dtype"] = verl_release.plan_base_dtype(version, recipe["base_dtype"])
     device = prof["device"]
     if device == "cpu":
         memory = args.host_mib or _host_available_mib()
@@ -250,6 +254,13 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     recipe.add_argument(
         "--lora-alpha", type=int, default=0, metavar="A", help="LoRA alpha (0: twice the rank)"
+    )
+    recipe.add_argument(
+        "--base-dtype",
+        choices=recipes.BASE_DTYPES,
+        default=recipes.DEFAULT_BASE_DTYPE,
+        help="how LoRA stores the frozen base: computed in fp32 either way (default auto: "
+        "fp32 if it fits, else bf16)",
     )
     recipe.add_argument(
         "--lora-target-modules",

@@ -33,13 +33,18 @@ from oldgpu.plan.search import (
     offload_levels,
 )
 
+# verl 0.5.0 loads the actor at this dtype (fsdp_workers.py) and FSDP's MixedPrecision
+# (param_dtype fp32, the profile's) upcasts a unit at a time: a LoRA base at 16 bits.
+BASE_DTYPE_KEY = "+actor_rollout_ref.actor.fsdp_config.model_dtype"
+
 
 def _b(value: bool) -> str:
     return "True" if value else "False"
 
 
 def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstimate]) -> list[str]:
-    """verl 0.5.0 keys, all present in its ppo_trainer config (no ``+``; a test composes them)."""
+    """verl 0.5.0 keys, all present in its ppo_trainer config (no ``+``; a test composes
+    them), but BASE_DTYPE_KEY for a 16-bit base."""
     off, gc = choice.offload, _b(choice.gradient_checkpointing)
     out = [
         f"data.train_batch_size={choice.train_batch_size}",
@@ -71,6 +76,8 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
     if inp.rollout_n != 1:
         out.append(f"actor_rollout_ref.rollout.n={inp.rollout_n}")
     out += recipe_overrides(inp)
+    if inp.base16:  # the one key 0.5.0's config lacks (verl reads it with .get)
+        out.append(f"{BASE_DTYPE_KEY}={inp.base_dtype}")
     if inp.rollout == "vllm":  # never for the HF rollout: these settings are vLLM's
         vllm = vllm_settings(inp, choice.train_batch_size, phases["generate"])
         out += [
@@ -117,14 +124,22 @@ def _recipe_reasons(found: Plan) -> dict[str, str]:
             f"the input: {inp.adapter_params / 1e6:.1f}M adapter parameters train "
             f"(gradients {upd.resident.get('actor_grads', 0):.0f} MiB, Adam "
             f"{upd.resident.get('actor_adam', 0):.0f} MiB); the {inp.shape.params() / 1e6:.0f}M "
-            f"base weights stay frozen in {inp.compute_dtype}, and the ref is the actor "
-            "without its adapters"
+            f"base weights stay frozen ({inp.base_dtype if inp.base16 else 'fp32'}, computed "
+            f"in {inp.compute_dtype}), and the ref is the actor without its adapters"
         )
         r["actor_rollout_ref.model.lora_alpha"] = (
             "the input" if inp.lora_alpha else "twice the rank (no --lora-alpha)"
         )
         r["actor_rollout_ref.model.target_modules"] = (
             "the input" if inp.lora_target_modules else "every linear layer of the decoder"
+        )
+        upd = found.phases["actor_update"]
+        given = inp.base_dtype if inp.base16 else "fp32"
+        r[BASE_DTYPE_KEY] = (
+            f"the frozen base stored at {given} ({upd.resident.get('actor_weights', 0):.0f} MiB), "
+            f"computed in {inp.compute_dtype}: FSDP upcasts a unit at a time "
+            f"({upd.resident.get('actor_fp32_units', 0):.0f} MiB at once); "
+            + ("the input" if not inp.base_auto else "the fp32 base does not fit")
         )
     return r
 
@@ -303,7 +318,9 @@ def _notes(found: Plan) -> list[str]:
     inp = found.inputs
     notes = [
         "estimates are peak reserved memory as a GPU without memory pressure shows it "
-        f"(reserved = {reserve_factor(inp)} x allocated) plus the context; under "
+        f"(reserved = {reserve_factor(inp)} x allocated"
+        + (", the frozen LoRA base as allocated" if inp.lora and inp.device == "cuda" else "")
+        + ") plus the context; under "
         "pressure the allocator frees its cached blocks before failing, so runs near the "
         "cap usually need less than estimated",
     ]
@@ -364,6 +381,7 @@ def _recipe_inputs(inp: Inputs) -> dict[str, Any]:
             "rank": inp.lora_rank,
             "alpha": inp.lora_alpha_value,
             "target_modules": list(inp.lora_target_modules) or [recipes.ALL_LINEAR],
+            "base_dtype": inp.base_dtype,
         }
     return out
 
@@ -489,6 +507,7 @@ def largest_payload(result: Largest) -> dict[str, Any]:
                 peak_mib=round(found.peak),
                 peak_phase=found.peak_phase,
                 offload=c.offload_level,
+                base_dtype=found.inputs.base_dtype if found.inputs.lora else None,
             )
         shapes.append(row)
     return {
@@ -527,6 +546,7 @@ def largest_text(doc: Mapping[str, Any]) -> str:
                 head + f"fits: batch {row['train_batch_size']} ({row['sequences_per_step']} "
                 f"sequences), peak {row['peak_mib']} MiB in {row['peak_phase']}, offload "
                 f"'{row['offload']}'"
+                + (f", base {row['base_dtype']}" if row.get("base_dtype") else "")
             )
         else:
             lines.append(head + "does not fit")

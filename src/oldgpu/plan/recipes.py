@@ -55,6 +55,16 @@ GROUP_ESTIMATORS = frozenset(
 ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 LM_HEAD = "lm_head"
+# How a LoRA actor stores its frozen base (it computes in fp32 on a P40 either way; the
+# adapters, their gradients and Adam stay fp32). auto: fp32 when that fits, else bf16
+# (plan/search.py). bf16, not fp16, at 16 bits: Qwen's and Llama's checkpoints are bf16,
+# which bf16 stores bit for bit, while fp16 changes every weight below 2**-14 in
+# magnitude (its subnormals keep fewer bits) and cannot hold one above 65504
+# (`oldgpu base-dtype MODEL_DIR` counts both for a checkpoint). 16 bits need LoRA: full
+# fine-tuning updates every weight, and an fp32 master copy is what its optimizer steps.
+BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+DEFAULT_BASE_DTYPE = "auto"
+SIXTEEN_BIT = ("bf16", "fp16")
 # A decoder layer's linears (Qwen2 and Llama name them alike).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -123,8 +133,12 @@ def validate(
     lora_rank: Any,
     lora_alpha: Any,
     lora_target_modules: Iterable[str],
+    base_dtype: str = "fp32",
 ) -> None:
     """Named errors for recipe values the planner cannot plan."""
+    problem = base_dtype_problem(base_dtype, lora_rank, "plan")
+    if problem:
+        raise EngineError("plan-bad-input", problem)
     if algorithm is not None and uses_critic(algorithm) != critic:
         has = "builds" if uses_critic(algorithm) else "builds no"
         raise EngineError(
@@ -175,6 +189,7 @@ def recipe_fields(
     lora_target_modules: Iterable[str] = (),
     kl_loss_coef: float | None = None,
     ref: bool | None = None,
+    base_dtype: str = DEFAULT_BASE_DTYPE,
 ) -> dict[str, Any]:
     """``Inputs`` keyword arguments for a job's recipe, validated (named errors).
 
@@ -188,8 +203,9 @@ def recipe_fields(
     if ref is None:
         ref = critic or kl_loss_coef is None or kl_loss_coef > 0
     modules = tuple(lora_target_modules)
-    validate(algorithm, critic, rollout_n, lora_rank, lora_alpha, modules)
+    validate(algorithm, critic, rollout_n, lora_rank, lora_alpha, modules, base_dtype)
     return {
+        "base_dtype": base_dtype,
         "algorithm": algorithm,
         "critic": critic,
         "ref": bool(ref),
@@ -310,4 +326,20 @@ def setting_problems(values: Mapping[str, Any], interface: str) -> list[str]:
             out.append(f"{m_name}: {module!r} is not a module name (e.g. q_proj)")
     if ALL_LINEAR in modules and len(modules) > 1:
         out.append(f"{m_name}: {ALL_LINEAR} stands alone (it means every linear layer)")
+    problem = base_dtype_problem(values.get("base_dtype", DEFAULT_BASE_DTYPE), rank, interface)
+    if problem:
+        out.append(problem)
     return out
+
+
+def base_dtype_problem(base_dtype: Any, lora_rank: Any, interface: str) -> str | None:
+    """Why ``base_dtype`` is refused (None: fine), in ``interface``'s terms."""
+    key, r_name = spell(interface, "base_dtype"), spell(interface, "lora_rank")
+    if base_dtype not in BASE_DTYPES:
+        return f"{key}: {base_dtype!r} is not one of {', '.join(BASE_DTYPES)}"
+    if base_dtype in SIXTEEN_BIT and not lora_rank:
+        return (
+            f"{key}: {base_dtype} stores a frozen base at 16 bits, which needs LoRA "
+            f"({r_name}): full fine-tuning updates every weight"
+        )
+    return None

@@ -3,8 +3,11 @@
 The largest ``train_batch_size`` (throughput grows about linearly
 with the rollout batch while generation dominates the step) whose every phase
 stays at or under the cap; at that batch the least offload (none, critic
-optimizer, both optimizers, critic params, actor params), gradient
-checkpointing on (cheap next to generation), then the largest micro batches.
+optimizer, both optimizers, critic params, actor params), the largest micro batches
+with gradient checkpointing, and then checkpointing off where those micro batches
+still fit without it (its recompute is about a sixth of an update's math, which a P40's
+fp32 rate makes the step's largest part). A LoRA job's ``base_dtype`` auto is fp32
+when that plan fits and bf16 (the frozen base at 16 bits) when only that one does.
 Batch sizes divide as verl asserts: ``train_batch_size`` is a multiple of
 ``ppo_mini_batch_size``, itself a multiple of micro batch x GPUs.
 """
@@ -175,22 +178,43 @@ def _choose_at(inp: Inputs, batch: int, level: str, off: Offload) -> Choice | No
         return None
     unit = max(m_a, m_c) * n
     mini = _mini_batch(batch, unit, inp.ppo_mini_batches)
-    return replace(
+    chosen = replace(
         probe,
         ppo_mini_batch_size=mini,
         actor_micro=m_a,
         critic_micro=m_c,
         log_prob_micro=m_lp,
     )
+    # Only the updates keep activations for a backward: checkpointing off where they fit.
+    no_recompute = replace(chosen, gradient_checkpointing=False)
+    if _fits(inp, no_recompute, ("actor_update", "critic_update")):
+        return no_recompute
+    return chosen
+
+
+def base_dtypes(inp: Inputs) -> tuple[str, ...]:
+    """The base dtypes to try, in order: auto is fp32, then bf16 with LoRA."""
+    if inp.base_dtype != "auto":
+        return (inp.base_dtype,)
+    return ("fp32", "bf16") if inp.lora else ("fp32",)
 
 
 def search(inp: Inputs) -> Plan | None:
     """The largest batch that fits; at that batch the least offload, then the largest micros.
 
     Each offload level's feasible batches only grow with memory, so the batch chosen
-    never shrinks when memory grows.
+    never shrinks when memory grows. ``base_dtype`` auto: the first of base_dtypes that
+    fits (the plan's inputs then name it).
     """
     validate(inp)
+    for base in base_dtypes(inp):
+        found = _search(replace(inp, base_dtype=base, base_auto=inp.base_dtype == "auto"))
+        if found is not None:
+            return found
+    return None
+
+
+def _search(inp: Inputs) -> Plan | None:
     candidates = batch_candidates(inp)
     largest: dict[str, int | None] = {}
     best: tuple[int, int, Choice] | None = None  # (batch, -level, choice)
@@ -256,6 +280,7 @@ def validate(inp: Inputs) -> None:
         inp.lora_rank,
         inp.lora_alpha,
         inp.lora_target_modules,
+        inp.base_dtype,
     )
 
 
@@ -269,6 +294,7 @@ def plan(inp: Inputs) -> Plan:
 
 def does_not_fit(inp: Inputs) -> str:
     """Why the smallest setting does not fit, and which changes would."""
+    inp = replace(inp, base_dtype=base_dtypes(inp)[-1])  # auto: its smallest, tried last
     batch = inp.target_train_batch or inp.gpus
     tries = []
     for level, off in offload_levels(inp):
@@ -316,11 +342,14 @@ def does_not_fit(inp: Inputs) -> str:
         fixes.append(f"a critic-free estimator ({setting(ui, 'algorithm', 'grpo')} fits)")
     if inp.ref and not inp.lora and search(replace(inp, ref=False)):
         fixes.append(f"no reference model (no KL: {switch(ui, NO_REF)} fits)")
-    if not inp.lora and search(replace(inp, lora_rank=SUGGESTED_LORA_RANK)):
+    if not inp.lora and search(replace(inp, lora_rank=SUGGESTED_LORA_RANK, base_dtype="auto")):
         fixes.append(
             f"LoRA ({setting(ui, 'lora_rank', SUGGESTED_LORA_RANK)} fits: gradients and Adam "
-            "for the adapters only, and no ref copy)"
+            "for the adapters only, and no ref copy; the frozen base at 16 bits where fp32 "
+            "does not fit)"
         )
+    elif inp.lora and inp.base_dtype == "fp32" and search(replace(inp, base_dtype="bf16")):
+        fixes.append(f"the frozen base at 16 bits ({setting(ui, 'base_dtype', 'bf16')} fits)")
     smaller = [
         name
         for name, shape in SHAPES.items()

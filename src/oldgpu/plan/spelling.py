@@ -24,6 +24,7 @@ NAMES: dict[str, tuple[str, str | None]] = {
     "lora_rank": ("--lora-rank", "lora_rank"),
     "lora_alpha": ("--lora-alpha", "lora_alpha"),
     "lora_target_modules": ("--lora-target-modules", "lora_target_modules"),
+    "base_dtype": ("--base-dtype", "base_dtype"),
     "max_offload": ("--max-offload", None),
     "headroom_mib": ("--headroom-mib", None),
     "ppo_mini_batches": ("--ppo-mini-batches", None),

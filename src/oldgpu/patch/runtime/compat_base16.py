@@ -11,6 +11,11 @@
 # 4.4 GB where one lm_head is 2.2 GB and only while the logits are computed).
 # With an fp32 model_dtype neither changes anything.
 
+import functools
+
+import torch
+from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy
+
 _SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
@@ -35,10 +40,6 @@ def embedding_units(policy, module):
     weight, which two units cannot). Unchanged without a policy or at fp32."""
     if policy is None or not stores_16bit(module):
         return policy
-    import functools
-
-    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy
-
     inputs, outputs = module.get_input_embeddings(), module.get_output_embeddings()
     heads = [inputs]
     if outputs is not None and outputs.weight is not inputs.weight:
