@@ -613,3 +613,17 @@ def test_cli_check_inactive_fails() -> None:
     )
     assert proc.returncode == 1
     assert "not active" in proc.stdout
+
+
+def test_a_violation_survives_pickling_as_ray_sends_it() -> None:
+    """A worker's violation reaches the driver whole (Ray pickles exceptions)."""
+    import pickle
+
+    err = guard.GuardViolation("guard-dtype", "aten.mm made bf16", op="aten.mm", site="x.py:1")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.name, back.message, back.op, back.site) == (
+        "guard-dtype",
+        "aten.mm made bf16",
+        "aten.mm",
+        "x.py:1",
+    )

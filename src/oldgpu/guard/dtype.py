@@ -30,6 +30,7 @@ STORAGE_OPS = frozenset(
         "_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "contiguous",
         "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
         "zeros", "zeros_like", "zero_", "new_zeros", "fill_", "resize_", "set_",
+        "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "scalar_tensor",
         "view", "_unsafe_view", "view_as", "reshape", "_reshape_alias", "flatten",
         "as_strided", "alias", "detach", "t", "transpose", "permute", "expand",
         "unsqueeze", "squeeze", "slice", "select", "narrow", "split", "split_with_sizes",

@@ -80,6 +80,15 @@ class GuardViolation(EngineError):
         self.op = op
         self.site = site
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles a worker's exception to the driver: keep the name and the message
+        # (the default would call __init__ with the message alone and lose both).
+        return (_rebuild_violation, (self.name, self.message, self.op, self.site))
+
+
+def _rebuild_violation(name: str, message: str, op: str, site: str) -> GuardViolation:
+    return GuardViolation(name, message, op=op, site=site)
+
 
 @dataclass(frozen=True)
 class Policy:

@@ -6,9 +6,10 @@
 # forward and frees the copy after it (the adapters stay fp32: peft upcasts them). Two
 # things keep that exact and small: verl's ``module.to(dtype)`` would round the float32
 # buffers too (the rotary inv_freq: a position's angle drifts), so only the parameters
-# move; and the embeddings and an untied lm_head get FSDP units of their own, since the
-# root unit's fp32 copy lives through the whole forward and backward (for a 7B shape,
-# 4.4 GB where one lm_head is 2.2 GB and only while the logits are computed).
+# move; and the embeddings and the lm_head get FSDP units of their own, since the root
+# unit's fp32 copy lives through the whole forward and backward (for a 7B shape, 4.4 GB
+# where one lm_head is 2.2 GB and only while the logits are computed), and the HF
+# rollout computes with the root's stored 16 bits.
 # With an fp32 model_dtype neither changes anything.
 
 import functools
@@ -35,15 +36,18 @@ def stores_16bit(module) -> bool:
 
 
 def embedding_units(policy, module):
-    """verl's FSDP wrap policy, plus a unit for the input embeddings and one for an
-    untied output head when the frozen base is stored at 16 bits (tied ones share a
-    weight, which two units cannot). Unchanged without a policy or at fp32."""
+    """verl's FSDP wrap policy, plus a unit for the input embeddings and one for the
+    output head when the frozen base is stored at 16 bits. Unchanged without a policy or
+    at fp32. Tied ones are untied first (a second frozen copy of the same numbers: neither
+    trains under LoRA): the HF rollout generates under ``summon_full_params(recurse=False)``,
+    which holds the root unit at its stored 16 bits, so no weight may compute from there."""
     if policy is None or not stores_16bit(module):
         return policy
     inputs, outputs = module.get_input_embeddings(), module.get_output_embeddings()
-    heads = [inputs]
-    if outputs is not None and outputs.weight is not inputs.weight:
-        heads.append(outputs)
-    ids = {id(m) for m in heads}
+    if outputs is None:
+        return policy
+    if outputs.weight is inputs.weight:
+        outputs.weight = torch.nn.Parameter(inputs.weight.detach().clone(), requires_grad=False)
+    ids = {id(inputs), id(outputs)}
     own = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
     return functools.partial(_or_policy, policies=[policy, own])
