@@ -104,6 +104,8 @@ def test_json_report_shape(verl_tree: Path, capsys) -> None:
         "entropy-by-rows",
         "response-logits",
         "compat-module",
+        "base16-params-only",
+        "base16-embedding-units",
     }
     sites = {p["name"]: p["sites"] for p in out["patches"]}
     assert len(sites["autocast-compute-dtype"]) == 5
@@ -295,6 +297,7 @@ def extra_patch_sets(tmp_path: Path, monkeypatch):
 def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
     assert registry.patch_set_modules() == [
         "oldgpu.patch.verl_0_5_0.base",
+        "oldgpu.patch.verl_0_5_0.base16",
         "oldgpu.patch.verl_0_5_0.cpu",
         "oldgpu.patch.verl_0_5_0.fp16",
         "oldgpu.patch.verl_0_5_0.logits",
@@ -318,8 +321,9 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
     assert patcher.supported_versions() == ["0.5.0", "0.9.0", "9.9.9"]
     (later,) = patcher.select_patches("9.9.9", patcher.Options())
     assert (later.name, later.files) == ("later-fix", ("verl/x.py",))
-    # The dtype set, the two HF-rollout fixes GRPO and LoRA need, and the logits set.
-    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 9
+    # The dtype set, the two HF-rollout fixes GRPO and LoRA need, the logits set and the
+    # 16-bit LoRA base's two sites.
+    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 11
 
 
 def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Path) -> None:
