@@ -224,3 +224,15 @@ def test_the_servers_batch_is_the_gpus_rollout_batch_when_smaller():
     inp = issue_inputs(NEWER)
     assert memory.server_batch(inp, 8) == 32  # 8 prompts x 4 responses
     assert memory.server_batch(inp, 256) == memory.ROLLOUT_SERVER_BATCH
+
+
+def test_a_jobs_plan_explains_itself_in_the_jobs_terms(job_dir):
+    """The reasons and notes of a job's plan (its plan.json) name job settings, not flags."""
+    import re
+
+    for extra in ({}, {"train_batch_size": 8}, {"algorithm": "grpo", "rollout_n": 2}):
+        one = job(job_dir, **extra)
+        doc = jobs.compose(one, jobs.resolve_profile(one, []), 24576, QWEN05B_CONFIG, environ={})
+        said = " ".join([*doc["plan"]["reasons"], *doc["plan"]["notes"]])
+        assert not re.search(r"--[a-z]", said), said
+    assert "kl_loss_coef: 0" in said  # the job's way to drop the ref
