@@ -236,3 +236,21 @@ def test_a_jobs_plan_explains_itself_in_the_jobs_terms(job_dir):
         said = " ".join([*doc["plan"]["reasons"], *doc["plan"]["notes"]])
         assert not re.search(r"--[a-z]", said), said
     assert "kl_loss_coef: 0" in said  # the job's way to drop the ref
+
+
+def test_a_job_without_a_profile_on_a_host_without_gpus_is_refused(job_dir, capsys):
+    """As `oldgpu plan`: no quiet fall-back to the CPU; `profile: cpu` says it."""
+    empty = DETECT / "empty.lspci.txt"
+    tiny = {**QWEN05B_CONFIG, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 2048}  # fmt: skip
+    (job_dir / "model/config.json").write_text(json.dumps(tiny))
+    for profile_name, expected in (("", 4), ("cpu", 0)):
+        values = spec(job_dir, profile=profile_name, train_batch_size=4)
+        path = job_dir / "gsm8k.env"
+        path.write_text(jobs.render_env(jobs.job_from_mapping(values)))
+        code = cli.main(["job", "command", "--env-file", str(path), "--json",
+                         "--nvidia-smi-file", str(empty), "--lspci-file", str(empty)])  # fmt: skip
+        doc = json.loads(capsys.readouterr().out)
+        assert code == expected, doc
+        if expected:
+            assert doc["error"] == "job-no-gpu" and "profile: cpu" in doc["message"]
