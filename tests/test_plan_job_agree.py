@@ -34,7 +34,7 @@ def plan_parser_defaults() -> dict[str, Any]:
 
 def test_the_planner_defaults_are_a_jobs():
     defaults = plan_parser_defaults()
-    for field in ("prompt_length", "response_length", "rollout_n"):
+    for field in ("prompt_length", "response_length", "rollout_n", "gpus"):
         assert defaults[field] == jobs.FIELD_BY_NAME[field].default, field
 
 
@@ -96,6 +96,19 @@ def test_a_forced_profile_reads_the_memory_from_the_recorded_nvidia_smi(capsys):
     code, doc = plan_cli(capsys, "--profile", "pascal", "--nvidia-smi-file", str(empty))
     assert (code, doc["error"]) == (2, "plan-memory-unknown")
     assert "--gpu-mib" in doc["message"]
+
+
+def test_the_planner_plans_for_every_card_of_the_profile_as_a_job_does(capsys):
+    two = str(DETECT / "2xp40.nvidia-smi.csv")
+    code, doc = plan_cli(capsys, "--nvidia-smi-file", two)
+    assert code == 0, doc
+    assert doc["inputs"]["gpus"] == 2 and "trainer.n_gpus_per_node=2" in doc["hydra_overrides"]
+    code, doc = plan_cli(capsys, "--nvidia-smi-file", two, "--gpus", "1")
+    assert doc["inputs"]["gpus"] == 1
+    code, doc = plan_cli(capsys, "--arch", "pascal", "--gpu-mib", "24576")  # no host: one card
+    assert doc["inputs"]["gpus"] == 1
+    code, doc = plan_cli(capsys, "--arch", "pascal", "--gpu-mib", "24576", "--gpus", "most")
+    assert (code, doc["error"]) == (2, "plan-bad-input") and "--gpus" in doc["message"]
 
 
 def test_the_planner_is_told_the_release(capsys):
