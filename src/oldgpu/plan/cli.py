@@ -125,6 +125,11 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     # the profile's cards (a mixed host's others are not the job's: oldgpu.devices)
     gpus = [g for g in gpus if g.get("architecture") in prof["architectures"]] or gpus
     version = args.verl_version or verl_release.default()
+    if version not in verl_release.releases():
+        raise EngineError(
+            "verl-version-unknown",
+            f"--verl-version {version!r} is not one of {', '.join(verl_release.releases())}",
+        )
     verl_release.check_job(version, prof, "")  # what a job of that release would refuse
     device = prof["device"]
     if device == "cpu":
