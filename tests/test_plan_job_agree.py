@@ -34,7 +34,7 @@ def plan_parser_defaults() -> dict[str, Any]:
 
 def test_the_planner_defaults_are_a_jobs():
     defaults = plan_parser_defaults()
-    for field in ("prompt_length", "response_length", "rollout_n"):
+    for field in ("prompt_length", "response_length", "rollout_n", "gpus"):
         assert defaults[field] == jobs.FIELD_BY_NAME[field].default, field
 
 
@@ -96,6 +96,19 @@ def test_a_forced_profile_reads_the_memory_from_the_recorded_nvidia_smi(capsys):
     code, doc = plan_cli(capsys, "--profile", "pascal", "--nvidia-smi-file", str(empty))
     assert (code, doc["error"]) == (2, "plan-memory-unknown")
     assert "--gpu-mib" in doc["message"]
+
+
+def test_the_planner_plans_for_every_card_of_the_profile_as_a_job_does(capsys):
+    two = str(DETECT / "2xp40.nvidia-smi.csv")
+    code, doc = plan_cli(capsys, "--nvidia-smi-file", two)
+    assert code == 0, doc
+    assert doc["inputs"]["gpus"] == 2 and "trainer.n_gpus_per_node=2" in doc["hydra_overrides"]
+    code, doc = plan_cli(capsys, "--nvidia-smi-file", two, "--gpus", "1")
+    assert doc["inputs"]["gpus"] == 1
+    code, doc = plan_cli(capsys, "--arch", "pascal", "--gpu-mib", "24576")  # no host: one card
+    assert doc["inputs"]["gpus"] == 1
+    code, doc = plan_cli(capsys, "--arch", "pascal", "--gpu-mib", "24576", "--gpus", "most")
+    assert (code, doc["error"]) == (2, "plan-bad-input") and "--gpus" in doc["message"]
 
 
 def test_the_planner_is_told_the_release(capsys):
@@ -224,3 +237,33 @@ def test_the_servers_batch_is_the_gpus_rollout_batch_when_smaller():
     inp = issue_inputs(NEWER)
     assert memory.server_batch(inp, 8) == 32  # 8 prompts x 4 responses
     assert memory.server_batch(inp, 256) == memory.ROLLOUT_SERVER_BATCH
+
+
+def test_a_jobs_plan_explains_itself_in_the_jobs_terms(job_dir):
+    """The reasons and notes of a job's plan (its plan.json) name job settings, not flags."""
+    import re
+
+    for extra in ({}, {"train_batch_size": 8}, {"algorithm": "grpo", "rollout_n": 2}):
+        one = job(job_dir, **extra)
+        doc = jobs.compose(one, jobs.resolve_profile(one, []), 24576, QWEN05B_CONFIG, environ={})
+        said = " ".join([*doc["plan"]["reasons"], *doc["plan"]["notes"]])
+        assert not re.search(r"--[a-z]", said), said
+    assert "kl_loss_coef: 0" in said  # the job's way to drop the ref
+
+
+def test_a_job_without_a_profile_on_a_host_without_gpus_is_refused(job_dir, capsys):
+    """As `oldgpu plan`: no quiet fall-back to the CPU; `profile: cpu` says it."""
+    empty = DETECT / "empty.lspci.txt"
+    tiny = {**QWEN05B_CONFIG, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 2048}  # fmt: skip
+    (job_dir / "model/config.json").write_text(json.dumps(tiny))
+    for profile_name, expected in (("", 4), ("cpu", 0)):
+        values = spec(job_dir, profile=profile_name, train_batch_size=4)
+        path = job_dir / "gsm8k.env"
+        path.write_text(jobs.render_env(jobs.job_from_mapping(values)))
+        code = cli.main(["job", "command", "--env-file", str(path), "--json",
+                         "--nvidia-smi-file", str(empty), "--lspci-file", str(empty)])  # fmt: skip
+        doc = json.loads(capsys.readouterr().out)
+        assert code == expected, doc
+        if expected:
+            assert doc["error"] == "job-no-gpu" and "profile: cpu" in doc["message"]

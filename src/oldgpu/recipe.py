@@ -9,9 +9,11 @@ Why each decision (verl 0.5.0):
   critic is built (ray_trainer.py: only ``gae`` has one). The critic-free estimators
   compare responses to the same prompt, so most need ``rollout.n >= 2``; they take
   their KL to the reference as a loss (``actor.use_kl_loss``), as verl's own GRPO
-  examples do. Offered here: the ones that work with verl's default policy loss and
+  examples do. Offered: the ones that work with verl's default policy loss and
   the HF rollout; ``opo``, ``grpo_passk`` and ``gpg`` (its own policy loss) stay
-  reachable through ``overrides``.
+  reachable through ``overrides``. The table (``ALGORITHMS``), the shared defaults and
+  the checks live in ``oldgpu.plan.recipes``, so ``oldgpu plan`` refuses what a job
+  refuses; this module re-exports them.
 - ``gae`` keeps verl's PPO default, no KL loss; an override
   ``actor_rollout_ref.actor.use_kl_loss=True`` turns it on with ``kl_loss_coef``.
 - LoRA (``lora_rank > 0``): verl wraps the actor with peft and uses the actor

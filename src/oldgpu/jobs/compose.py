@@ -345,6 +345,15 @@ def compose_for_host(
             gpus: list[Mapping[str, Any]] = []
         else:
             gpus = detect.detect_from_args(args)["gpus"]
+        if not gpus and not job.profile:
+            # As `oldgpu plan`: a host without a detected GPU never trains on its CPU
+            # unless the job says so.
+            raise EngineError(
+                "job-no-gpu",
+                "no NVIDIA GPU detected on this host: set profile: cpu to train on the CPU, "
+                "or run oldgpu doctor to see why the GPUs are not found",
+                code=CONFIG_INVALID,
+            )
         prof = resolve_profile(job, gpus)
         if prof["device"] == "cuda" and not gpus:
             raise invalid(f"profile {prof['name']} needs a GPU and none was detected")

@@ -42,9 +42,7 @@ def _profile_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], list[A
         if forced["device"] == "cpu" or args.gpu_mib is not None:
             return forced, []
         gpus = detect.detect_from_args(args)["gpus"]
-        # the forced architecture's cards when the host has them, else all of them
-        same = [g for g in gpus if g.get("architecture") == forced["architecture"]]
-        return forced, same or gpus
+        return forced, gpus
     gpus = detect.detect_from_args(args)["gpus"]
     if not gpus:
         # A controller has no GPU: planning for its CPU would be a silent wrong answer.
@@ -103,6 +101,21 @@ def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _gpu_count(given: str, prof: dict[str, Any], gpus: list[Any]) -> int:
+    """``--gpus``: N, or ``all`` (a job's default): the detected cards of the profile, one
+    when none was detected (``--gpu-mib`` names one card's memory) or on the cpu profile."""
+    if given != "all":
+        try:
+            return int(given)
+        except ValueError:
+            raise EngineError(
+                "plan-bad-input", f"--gpus must be a positive integer or all, not {given!r}"
+            ) from None
+    if prof["device"] == "cpu":
+        return 1
+    return max(1, len([g for g in gpus if g.get("architecture") in prof["architectures"]]))
+
+
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
     if args.largest and (args.model or args.model_shape):
         raise EngineError(
@@ -112,7 +125,14 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         raise EngineError("plan-bad-input", "--family only goes with --largest")
     recipe = _recipe_from_args(args)
     prof, gpus = _profile_from_args(args)
+    # the profile's cards (a mixed host's others are not the job's: oldgpu.devices)
+    gpus = [g for g in gpus if g.get("architecture") in prof["architectures"]] or gpus
     version = args.verl_version or verl_release.default()
+    if version not in verl_release.releases():
+        raise EngineError(
+            "verl-version-unknown",
+            f"--verl-version {version!r} is not one of {', '.join(verl_release.releases())}",
+        )
     verl_release.check_job(version, prof, "")  # what a job of that release would refuse
     recipe["base_dtype"] = verl_release.plan_base_dtype(version, recipe["base_dtype"])
     device = prof["device"]
@@ -139,7 +159,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         shape = SHAPES[name]
     return Inputs(
         memory_mib=int(memory),
-        gpus=args.gpus,
+        gpus=_gpu_count(args.gpus, prof, gpus),
         shape=shape,
         prompt_length=args.prompt_length,
         response_length=args.response_length,
@@ -183,7 +203,13 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     mem = parser.add_argument_group("memory")
     mem.add_argument("--gpu-mib", type=int, metavar="N", help="one GPU's memory (default: detect)")
     mem.add_argument("--host-mib", type=int, metavar="N", help="host memory budget (cpu profile)")
-    mem.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs per node (default 1)")
+    mem.add_argument(
+        "--gpus",
+        default="all",
+        metavar="N",
+        help="GPUs per node: N, or all (default, as a job's gpus: the detected cards of the "
+        "profile; 1 when none is detected)",
+    )
     mem.add_argument(
         "--headroom-mib",
         type=int,

@@ -32,6 +32,8 @@ from oldgpu.plan.search import (
     cap_mib,
     offload_levels,
 )
+from oldgpu.plan.spelling import NO_REF, setting, switch
+from oldgpu.plan.spelling import name as spell
 
 # verl 0.5.0 loads the actor at this dtype (fsdp_workers.py) and FSDP's MixedPrecision
 # (param_dtype fp32, the profile's) upcasts a unit at a time: a LoRA base at 16 bits.
@@ -128,7 +130,9 @@ def _recipe_reasons(found: Plan) -> dict[str, str]:
             f"in {inp.compute_dtype}), and the ref is the actor without its adapters"
         )
         r["actor_rollout_ref.model.lora_alpha"] = (
-            "the input" if inp.lora_alpha else "twice the rank (no --lora-alpha)"
+            "the input"
+            if inp.lora_alpha
+            else f"twice the rank (no {spell(inp.interface, 'lora_alpha')})"
         )
         r["actor_rollout_ref.model.target_modules"] = (
             "the input" if inp.lora_target_modules else "every linear layer of the decoder"
@@ -170,7 +174,8 @@ def _reasons(found: Plan) -> dict[str, str]:
     cands = batch_candidates(replace(inp, target_train_batch=None))
     nxt = next((b for b in cands if b > c.train_batch_size), None)
     if inp.target_train_batch:
-        r["data.train_batch_size"] = f"the --target-train-batch; {batch_line}"
+        given = spell(inp.interface, "target_train_batch")
+        r["data.train_batch_size"] = f"the {given}; {batch_line}"
     elif nxt is None:
         r["data.train_batch_size"] = f"the planner's ceiling ({MAX_TRAIN_BATCH}); {batch_line}"
     else:
@@ -327,7 +332,8 @@ def _notes(found: Plan) -> list[str]:
     if inp.ref:
         notes.append(
             "verl builds the ref only with actor_rollout_ref.actor.use_kl_loss=True or "
-            "algorithm.use_kl_in_reward=True; without either, plan with --no-ref"
+            "algorithm.use_kl_in_reward=True; without either, plan with "
+            + switch(inp.interface, NO_REF)
         )
     if inp.algorithm is not None:
         notes += _recipe_notes(inp)
@@ -366,7 +372,8 @@ def _recipe_notes(inp: Inputs) -> list[str]:
     if inp.algorithm in recipes.GROUP_ESTIMATORS and inp.rollout_n < 2:
         notes.append(
             f"{inp.algorithm} compares the responses to one prompt: with rollout.n 1 "
-            "verl falls back to a zero baseline; use --rollout-n 2 or more"
+            f"verl falls back to a zero baseline; use {setting(inp.interface, 'rollout_n', 2)} "
+            "or more"
         )
     return notes
 
