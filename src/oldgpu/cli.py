@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "oldgpu.paths",
     "oldgpu.raynode",
     "oldgpu.fleet",
+    "oldgpu.base_dtype",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's
