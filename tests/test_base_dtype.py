@@ -16,7 +16,8 @@ np = pytest.importorskip("numpy")
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, bytes, list[int]]]) -> None:
     header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name, (dtype, data, shape) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        span = [offset, offset + len(data)]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": span}
         blobs.append(data)
         offset += len(data)
     raw = json.dumps(header).encode()
