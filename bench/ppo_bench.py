@@ -221,6 +221,10 @@ SETTINGS: dict[str, Setting] = {
             kind="bench-7b",
             job={**GRPO, **LORA, "base_dtype": "bf16"},
             save=True,
+            # The card-wide bar, 22.5 GiB across processes: the worker keeps 1.3 GiB
+            # outside torch's allocator (context, cuBLAS, NCCL; 24350 MiB in all against
+            # 22.45 GiB reserved in call 1 of 2026-12-06-h100-b), so its allocator gets 21.
+            env={"OLDGPU_GUARD_MEMORY_MIB": "21504"},
         ),
         Setting(
             "learn",
@@ -351,6 +355,14 @@ def gpu_profile_env(setting: Setting, scale: str) -> dict[str, str]:
     return {"BENCH_SMI_FILE": str(PROFILE_SMI[setting.profile]), "VERL_DIR": str(tree)}
 
 
+def assets_for(kind: str) -> dict[str, Any]:
+    """The kind's assets, built in a child process when missing: its CUDA context (612 MiB
+    on the H100, 2026-12-06) is gone before the run, which the card-wide peak counts."""
+    if not (HOME / "assets" / kind / "assets.json").exists():
+        run_checked([PYTHON, __file__, "assets", "--kind", kind], dict(os.environ), "assets")
+    return build_assets(kind, HOME)  # the complete one, read back
+
+
 def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
     """Write the run's job (spec, env file) and what the start script will run."""
     setting = SETTINGS[name]
@@ -361,7 +373,7 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
             "does not have yet (oldgpu job fields)"
         )
     kind = "smoke" if scale == "smoke" else setting.kind
-    assets = build_assets(kind, HOME)
+    assets = assets_for(kind)
     spec = job_spec(setting, steps, scale, assets)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "guard.jsonl", "train.log", "result.json", "job.env"):
