@@ -259,6 +259,9 @@ def lora_params(config: dict[str, Any], rank: int) -> int:
     return rank * per_layer * config["num_hidden_layers"]
 
 
+UPCAST_BYTES = 6  # a 16-bit weight read, its fp32 copy written
+
+
 def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dict[str, Any]:
     """A step time on GPU ``hw`` from the run's shape and composed command: a model, not
     a measurement.
@@ -279,7 +282,9 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
       weights get no gradient) plus 1 with gradient checkpointing; the critic's 3 + 1;
       AdamW memory-bound, 28 bytes per trained parameter (LoRA: the adapters only);
     - offload over PCIe: optimizer states (8 bytes per trained param) out and back per
-      update; with param offload the weights (4 bytes/param) each way per phase.
+      update; with param offload the weights (4 bytes/param) each way per phase;
+    - a LoRA base stored at 16 bits: UPCAST_BYTES a weight more per decoding step, and
+      per micro batch of every forward, backward and recompute (FSDP upcasts each unit).
     """
     config = run["assets"]["config"]
     params = run["assets"]["params"]
@@ -313,7 +318,12 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     gen_bytes = 2 if dtype == "fp16" else 4
     kv_per_token = 2 * layers * config["num_key_value_heads"] * head_dim * gen_bytes
     kv_bytes = seqs * (prompt + response / 2) * kv_per_token  # the mean over decoding
-    decode_step = max((gen_bytes * params + kv_bytes) / bw, 2 * params * seqs / flops)
+    # A LoRA base stored at 16 bits (base_dtype): each forward upcasts it, reading 2 bytes
+    # and writing 4 per weight before the fp32 matmul reads those 4 (UPCAST_BYTES more).
+    base16 = values.get("actor_rollout_ref.actor.fsdp_config.model_dtype") in ("bf16", "fp16")
+    upcast = UPCAST_BYTES * params / bw if base16 else 0.0
+    weight_bytes = gen_bytes * params
+    decode_step = max(weight_bytes / bw + upcast + kv_bytes / bw, 2 * params * seqs / flops)
     host_floor = (r.get("gen_s") or 0) / response
     gen = response * max(decode_step, host_floor)
     actor_forwards = 1 + int(ref) + (2 if rank > 0 else 3) + int(actor_ckpt)
@@ -327,6 +337,11 @@ def project(run: dict[str, Any], r: dict[str, Any], hw: dict[str, float]) -> dic
     positions = response + 1 if run.get("response_logits") else seq
     actor_per_seq = per_seq - head * (seq - positions)
     train = (actor_forwards * actor_per_seq + critic_forwards * per_seq) * seqs / flops
+    if base16:  # one upcast per micro batch per forward, backward and recompute
+        lp_micro = int(values.get("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 1))
+        a_micro = int(values.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1))
+        passes = (1 + int(ref)) * -(-seqs // lp_micro) + (2 + int(actor_ckpt)) * -(-seqs // a_micro)
+        train += passes * upcast
     updates = max(1, batch // mini)
     adam = updates * 28 * (trained + (params if critic else 0)) / bw
     offload = 0.0
