@@ -153,7 +153,8 @@ def test_grpo_lora_job_trains_the_adapters_without_a_critic(host, grpo_lora_run)
     for key in ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
                 "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora_rank=8",
                 "actor_rollout_ref.model.lora_alpha=16",
-                "actor_rollout_ref.model.target_modules=all-linear"):  # fmt: skip
+                "actor_rollout_ref.model.target_modules=all-linear",
+                "+actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"):  # fmt: skip
         assert f" {key}" in command, key
     assert "critic.model.path" not in command
     assert "Applying LoRA to actor module" in journal
@@ -184,6 +185,26 @@ def test_grpo_lora_checkpoint_holds_the_adapters(host, grpo_lora_run):
     assert all(8 in v["shape"] for v in tensors.values())
     latest = host.file(f"{GRPO_CKPT}/latest_checkpointed_iteration.txt")
     assert latest.content_string.strip() == str(GRPO_STEPS)
+
+
+# The actor's model shard, by the job venv's torch: each tensor's dtype, adapter or base.
+SHARD_DTYPES = (
+    "import collections, json, sys, torch; "
+    "sd = torch.load(sys.argv[1], map_location='cpu', weights_only=False); "
+    "c = collections.Counter("
+    "str(v.dtype) + (' lora' if 'lora_' in k else ' base') for k, v in sd.items()); "
+    "print(json.dumps(c))"
+)
+
+
+def test_grpo_lora_base_is_stored_at_16_bits_and_the_adapters_at_32(host, grpo_lora_run):
+    """base_dtype bf16: the frozen base trained and was saved at bf16, the adapters fp32."""
+    shard = f"{GRPO_CKPT}/global_step_{GRPO_STEPS}/actor/model_world_size_1_rank_0.pt"
+    python = "/opt/verl/venv/bin/python"
+    counts = json.loads(host.check_output(f'{python} -c "{SHARD_DTYPES}" {shard}'))
+    assert counts.get("torch.float32 lora") == LORA_TENSORS, counts
+    assert counts.get("torch.bfloat16 base", 0) > 0, counts
+    assert set(counts) == {"torch.float32 lora", "torch.bfloat16 base"}, counts
 
 
 def test_bad_job_is_refused_before_anything_changes(host):
