@@ -4,9 +4,9 @@ The largest ``train_batch_size`` (throughput grows about linearly
 with the rollout batch while generation dominates the step) whose every phase
 stays at or under the cap; at that batch the least offload (none, critic
 optimizer, both optimizers, critic params, actor params), the largest micro batches
-with gradient checkpointing, and then checkpointing off where those micro batches
-still fit without it (its recompute is about a sixth of an update's math, which a P40's
-fp32 rate makes the step's largest part). A LoRA job's ``base_dtype`` auto is fp32
+with gradient checkpointing, and then (LoRA) checkpointing off where a micro batch at
+least half as large fits without it (its recompute is about a sixth of an update's
+math, which a P40's fp32 rate makes the step's largest part). A LoRA job's ``base_dtype`` auto is fp32
 when that plan fits and bf16 (the frozen base at 16 bits) when only that one does.
 Batch sizes divide as verl asserts: ``train_batch_size`` is a multiple of
 ``ppo_mini_batch_size``, itself a multiple of micro batch x GPUs.
@@ -144,6 +144,15 @@ class Plan:
         return self.phases[self.peak_phase].peak
 
 
+def _no_gc(actor: int, critic: int | None = None) -> dict[str, Any]:
+    """A probe's change: checkpointing off at these micro batches."""
+    return {
+        "gradient_checkpointing": False,
+        "actor_micro": actor,
+        "critic_micro": actor if critic is None else critic,
+    }
+
+
 def _choose_at(inp: Inputs, batch: int, level: str, off: Offload) -> Choice | None:
     """The micro batches for one batch and offload level, or None when a phase cannot fit.
 
@@ -185,11 +194,30 @@ def _choose_at(inp: Inputs, batch: int, level: str, off: Offload) -> Choice | No
         critic_micro=m_c,
         log_prob_micro=m_lp,
     )
-    # Only the updates keep activations for a backward: checkpointing off where they fit.
-    no_recompute = replace(chosen, gradient_checkpointing=False)
-    if _fits(inp, no_recompute, ("actor_update", "critic_update")):
-        return no_recompute
-    return chosen
+    # Only the updates keep activations for a backward: checkpointing off where they fit
+    # at a micro batch at least half the checkpointed one (a few hundred tokens a micro
+    # batch already fill a P40; the recompute it saves is a sixth of an update's math).
+    # LoRA only for now: its measured runs calibrate this; full fine-tuning's measured
+    # plans (docs/benchmarks.md) keep checkpointing until a run without it is measured.
+    if not inp.lora:
+        return chosen
+    off = replace(chosen, gradient_checkpointing=False)
+    halves = [m for m in divides if m >= max(1, m_a // 2)]
+    m_off = _pow2_micro(m_a, halves, lambda m: fits("actor_update", **_no_gc(m)))
+    if m_off is None:
+        return chosen
+    m_c_off = m_off
+    if inp.critic:
+        m_c_off = _pow2_micro(m_off, halves, lambda m: fits("critic_update", **_no_gc(m_off, m)))
+        if m_c_off is None:
+            return chosen
+    unit = max(m_off, m_c_off) * n
+    return replace(
+        off,
+        ppo_mini_batch_size=_mini_batch(batch, unit, inp.ppo_mini_batches),
+        actor_micro=m_off,
+        critic_micro=m_c_off,
+    )
 
 
 def base_dtypes(inp: Inputs) -> tuple[str, ...]:
