@@ -139,3 +139,57 @@ def test_a_16bit_base_computes_like_its_fp32_twin(verl_tree: Path, tmp_path: Pat
     assert r["grad_keys_equal"] and r["n_grads"] > 0
     assert r["logp_max_diff"] == 0.0
     assert r["grad_max_rel"] == 0.0
+
+
+# A bf16 checkpoint loaded as verl loads the actor (from_pretrained at model_dtype bf16,
+# then the patched .to, peft and FSDP with its embedding units), read back from FSDP:
+# every base weight has the checkpoint's bits.
+ROUND_TRIP = r"""
+import json, sys
+sys.path.insert(0, __SRC__)
+import torch, torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+from peft import LoraConfig, TaskType, get_peft_model
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from verl.utils import oldgpu_compat
+from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+
+dist.init_process_group("gloo", init_method="file://" + __PG__, rank=0, world_size=1)
+torch.manual_seed(0)
+cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=160, vocab_size=300,
+                  tie_word_embeddings=True, torch_dtype="bfloat16")
+Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(__DIR__, safe_serialization=True)
+saved = load_file(__DIR__ + "/model.safetensors")
+m = AutoModelForCausalLM.from_pretrained(__DIR__, torch_dtype=torch.bfloat16)
+m = oldgpu_compat.to_model_dtype(m, torch.bfloat16)
+m = get_peft_model(m, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules="all-linear"))
+policy = oldgpu_compat.embedding_units(get_fsdp_wrap_policy(m, None, is_lora=True), m)
+fp32 = torch.float32
+m = FSDP(m, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=False,
+         mixed_precision=MixedPrecision(param_dtype=fp32, reduce_dtype=fp32, buffer_dtype=fp32))
+with FSDP.summon_full_params(m):
+    held = {n.replace("_fsdp_wrapped_module.", "").replace("base_model.model.", "")
+             .replace(".base_layer", ""): p.detach().clone() for n, p in m.named_parameters()}
+same = [k for k, v in saved.items() if held[k].dtype == v.dtype and torch.equal(
+    held[k].view(torch.int16), v.view(torch.int16))]
+print(json.dumps({"saved": len(saved), "bit_identical": len(same),
+                  "lm_head_untied_equal": torch.equal(held["lm_head.weight"],
+                                                      held["model.embed_tokens.weight"])}))
+dist.destroy_process_group()
+"""
+
+
+@needs_torch
+def test_a_bf16_checkpoint_round_trips_bit_for_bit(verl_tree: Path, tmp_path: Path, capsys) -> None:
+    code, doc = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
+    assert code == 0, doc
+    script = ROUND_TRIP.replace("__SRC__", repr(str(SITE_DIR.parents[1])))
+    script = script.replace("__PG__", repr(str(tmp_path / "pg")))
+    script = script.replace("__DIR__", repr(str(tmp_path / "ckpt")))
+    proc = run_in_tree(verl_tree, script)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["saved"] > 0 and r["bit_identical"] == r["saved"], r
+    assert r["lm_head_untied_equal"] is True  # the tied head's copy holds the same bits
