@@ -73,6 +73,9 @@ STATE_DIR = DATA_DIR / "jobs"
 MODELS_DIR = DATA_DIR / "models"
 DATASETS_DIR = DATA_DIR / "datasets"
 PREPARED_DIR = DATA_DIR / "prepared"
+# Where the verl_jobs role synchronizes models and data sets from the controller
+# (<id>/<revision>/), placed from there like from a mirror.
+INCOMING_DIR = DATA_DIR / "incoming"
 # The jobs' log files (the unit's LogsDirectory=verl).
 LOG_DIR = Path("/var/log/verl")
 # One <job>.env per job (root:GROUP 0750: it may hold secrets).
@@ -105,6 +108,7 @@ def as_dict() -> dict[str, str]:
         "models_dir": str(MODELS_DIR),
         "datasets_dir": str(DATASETS_DIR),
         "prepared_dir": str(PREPARED_DIR),
+        "incoming_dir": str(INCOMING_DIR),
         "log_dir": str(LOG_DIR),
         "config_dir": str(CONFIG_DIR),
         "jobs_dir": str(JOBS_DIR),

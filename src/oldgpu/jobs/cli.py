@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -72,7 +73,9 @@ def run_env(args: argparse.Namespace) -> Result:
         raise invalid(f"cannot read a JSON job from {args.spec}: {exc}") from None
     job = job_from_mapping(values)
     text = render_env(job)
-    return Result({"name": job.name, "env": text}, text)
+    # ``job``: the settings as the engine resolved them (the verl_jobs role's assets
+    # phase reads the model and data set from it).
+    return Result({"name": job.name, "env": text, "job": dataclasses.asdict(job)}, text)
 
 
 def run_fields(args: argparse.Namespace) -> Result:
