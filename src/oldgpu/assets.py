@@ -407,6 +407,12 @@ def _token(args: argparse.Namespace) -> str | None:
     if not args.token_file:
         return None
     try:
+        if Path(args.token_file).stat().st_mode & 0o077:
+            raise error(
+                "asset-token-exposed",
+                f"{args.token_file}: others may read it; chmod 0600 (it holds the hub's token)",
+                EXIT_SOURCE,
+            )
         return Path(args.token_file).read_text(encoding="utf-8").strip() or None
     except OSError as exc:
         raise error(
