@@ -60,6 +60,7 @@ from oldgpu.asset_files import (
     sha256_of,
     verify_placed,
 )
+from oldgpu.jobs.settings import FIELD_BY_NAME
 from oldgpu.output import EngineError, Result
 
 
@@ -447,11 +448,10 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     add_source_options(f)
     summary = "place a job's model and data set, and prepare the data set (oldgpu data)"
     j = subcommand.add(sub, common, "job", run_job, help=summary)
-    j.add_argument("--model", default="", help="the job's model id")
-    j.add_argument("--model-revision", default="main")
-    j.add_argument("--dataset", default="", help="the job's data set id")
-    j.add_argument("--dataset-revision", default="main")
-    j.add_argument("--data-source", default="openai/gsm8k", help="the job's data_source")
+    # The job settings' own defaults (a worker of a cluster job gets them sparse).
+    for name in ("model", "model_revision", "dataset", "dataset_revision", "data_source"):
+        field = FIELD_BY_NAME[name]
+        j.add_argument("--" + name.replace("_", "-"), default=field.default, help=field.help)
     add_source_options(j)
     summary = "copy a directory into a mirror, with the sha256 of each file"
     m = subcommand.add(sub, common, "publish", run_publish, help=summary)
