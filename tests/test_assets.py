@@ -60,7 +60,10 @@ def published(tmp_path: Path, revision: str = "r1", weights: bytes = b"weights-1
 
 
 def stagings(place: Path) -> list[str]:
-    return sorted(p.name for p in place.parent.iterdir() if "+staging-" in p.name)
+    copies = assets.copies_of(place)
+    return (
+        sorted(p.name for p in copies.iterdir() if ".staging-" in p.name) if copies.exists() else []
+    )
 
 
 def code_of(exc: pytest.ExceptionInfo) -> tuple[str, int]:
@@ -201,7 +204,8 @@ def test_a_changed_revision_is_noticed_and_switched_whole(places, tmp_path):
     assert second["previous_digest"] == first["digest"] != second["digest"]
     assert (place / "model.safetensors").read_bytes() == b"weights-2"
     # Only the copy the link names is kept.
-    assert sorted(p.name for p in place.parent.iterdir()) == [f".r1+{second['digest'][:16]}", "r1"]
+    assert sorted(p.name for p in place.parent.iterdir()) == [".r1+copies", "r1"]
+    assert [p.name for p in assets.copies_of(place).iterdir()] == [second["digest"][:16]]
 
 
 def test_an_interrupted_copy_leaves_the_old_one(places, tmp_path, monkeypatch):
@@ -225,7 +229,7 @@ def test_an_interrupted_copy_leaves_the_old_one(places, tmp_path, monkeypatch):
     assert assets.verify_placed(place) == [] and stagings(place) == []
     # A staging dir a hard kill left behind goes at the next run.
     monkeypatch.setattr(assets.shutil, "copyfile", real_copy)
-    (place.parent / ".r1+staging-killed").mkdir()
+    (assets.copies_of(place) / ".staging-killed").mkdir()
     assert assets.fetch("model", MODEL, "r1", "mirror", mirror=mirror)["action"] == "replaced"
     assert stagings(place) == []
 

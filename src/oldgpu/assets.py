@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import subcommand
+from oldgpu import subcommand, switch
 from oldgpu.asset_files import (
     EXIT_HUB,
     EXIT_MISSING,
@@ -243,14 +243,7 @@ def _stage_and_switch(kind: str, asset_id: str, place: Path, src: Source, root: 
             if not d.is_relative_to(root):
                 break
             d.chmod(d.stat().st_mode | 0o755)  # the jobs' user reads through them
-        if place.exists() and not place.is_symlink():
-            raise error(
-                "asset-place-taken",
-                f"{place} is a directory this command did not place; move it away",
-                EXIT_PLACE,
-            )
-        _prune(parent, place.name, keep=None, staging_only=True)
-        staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{place.name}+staging-"))
+        staging = new_staging(place)
     except OSError as exc:
         raise error("asset-place-failed", f"{place}: {exc}", EXIT_PLACE) from None
     try:
@@ -280,7 +273,7 @@ def _stage_and_switch(kind: str, asset_id: str, place: Path, src: Source, root: 
         (staging / MANIFEST).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         for path in [staging, *staging.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
-        switch(place, staging, digest)
+        switch_in(place, staging, digest)
         return digest
     except OSError as exc:
         raise error("asset-place-failed", f"{place}: {exc}", EXIT_PLACE) from None
@@ -288,33 +281,38 @@ def _stage_and_switch(kind: str, asset_id: str, place: Path, src: Source, root: 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def switch(place: Path, staging: Path, digest: str) -> None:
-    """Make ``place`` a link to ``staging``'s content, renamed beside it; prune the rest."""
-    parent = place.parent
-    final = parent / f".{place.name}+{digest[:16]}"
+def copies_of(place: Path) -> Path:
+    """Where a place's copies live, one per content (its digest); the link names one."""
+    return place.parent / f".{place.name}+copies"  # "+" is in no id or revision
+
+
+def new_staging(place: Path) -> Path:
+    """An empty directory for ``place``'s next copy (an interrupted run's are removed)."""
+    if place.exists() and not place.is_symlink():
+        raise error(
+            "asset-place-taken",
+            f"{place} is a directory this command did not place; move it away",
+            EXIT_PLACE,
+        )
+    copies = copies_of(place)
+    copies.mkdir(parents=True, exist_ok=True)
+    copies.chmod(0o755)  # the jobs' user reads through it
+    for stale in copies.glob(".staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(dir=copies, prefix=".staging-"))
+
+
+def switch_in(place: Path, staging: Path, digest: str) -> None:
+    """Name the staged copy by its digest and point ``place`` at it.
+
+    oldgpu.switch moves the link (a new one renamed over the old: a job starting sees
+    the old copy or the new one) and removes the other copies.
+    """
+    final = copies_of(place) / digest[:16]
     if final.exists():
         shutil.rmtree(final)
     os.rename(staging, final)
-    # A new link renamed over the old one: atomic on one file system, so a reader
-    # (a job starting) sees the old copy or the new one.
-    tmp_link = parent / f".{place.name}+link-{os.getpid()}"
-    tmp_link.unlink(missing_ok=True)
-    os.symlink(final.name, tmp_link)
-    os.replace(tmp_link, place)
-    _prune(parent, place.name, keep=final.name, staging_only=False)
-
-
-def _prune(parent: Path, name: str, keep: str | None, staging_only: bool) -> None:
-    """Remove an interrupted run's staging dirs and copies no link points to."""
-    for path in parent.glob(f".{name}+*"):  # "+" is in no revision
-        if path.name == keep:
-            continue
-        if staging_only and "+staging-" not in path.name:
-            continue
-        if path.is_symlink() or path.is_file():
-            path.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+    switch.switch(place, final, keep=0)
 
 
 # --- a mirror, filled ---

@@ -330,7 +330,7 @@ def prepare(raw: Path, data_source: str, out: Path, *, check: bool = False) -> d
     }
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}+staging-"))
+        staging = assets.new_staging(out)
         try:
             for split in SPLITS:
                 write_parquet(rows[split], staging / f"{split}.parquet")
@@ -339,7 +339,7 @@ def prepare(raw: Path, data_source: str, out: Path, *, check: bool = False) -> d
             (staging / PREPARED_RECORD).write_text(json.dumps(record, indent=2) + "\n")
             for path in [staging, *staging.iterdir()]:
                 path.chmod(0o755 if path.is_dir() else 0o644)
-            assets.switch(out, staging, digest)
+            assets.switch_in(out, staging, digest)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:

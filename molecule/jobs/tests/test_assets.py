@@ -112,4 +112,5 @@ def test_a_corrupt_mirror_leaves_the_placed_copy(host, probe):
     assert not host.file(f"{PROBE}/README.md").exists
     rc, doc = engine(host, "assets", "verify", "model", "oldgpu/probe", "--revision", "r1")
     assert rc == 0 and doc["ok"]
-    assert host.run("ls -a /var/lib/verl/models/oldgpu | grep -c staging").stdout.strip() == "0"
+    leftovers = host.run("find /var/lib/verl/models/oldgpu -name '.staging-*'").stdout
+    assert leftovers.strip() == ""
