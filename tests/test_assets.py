@@ -243,6 +243,12 @@ def test_a_placed_file_changed_by_hand_is_placed_again(places, tmp_path):
     assert assets.verify_placed(place) != []
     assert assets.fetch("model", MODEL, "r1", "mirror", mirror=mirror)["action"] == "replaced"
     assert (place / "model.safetensors").read_bytes() == b"weights-1"
+    # The record damaged, the content the same: a new copy beside the live one, then switched.
+    (place.resolve() / asset_files.MANIFEST).chmod(0o644)
+    (place.resolve() / asset_files.MANIFEST).write_text("{")
+    live = place.resolve()
+    assert assets.fetch("model", MODEL, "r1", "mirror", mirror=mirror)["action"] == "replaced"
+    assert place.resolve() != live and not live.exists() and assets.verify_placed(place) == []
 
 
 def test_publish_is_idempotent(tmp_path):

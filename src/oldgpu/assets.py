@@ -309,8 +309,8 @@ def switch_in(place: Path, staging: Path, digest: str) -> None:
     the old copy or the new one) and removes the other copies.
     """
     final = copies_of(place) / digest[:16]
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same content, whose record was damaged: never remove a live copy
+        final = final.with_name(f"{digest[:16]}-{staging.name.rsplit('-', 1)[-1]}")
     os.rename(staging, final)
     switch.switch(place, final, keep=0)
 
