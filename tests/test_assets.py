@@ -283,6 +283,21 @@ def test_place_job_fetches_and_prepares(places, tmp_path):
     assert pq.read_table(train).num_rows == 4
 
 
+def test_data_placed_prepares_from_the_placed_copy(places, tmp_path, capsys):
+    from oldgpu import cli
+
+    mirror = tmp_path / "mirror"
+    assets.publish("dataset", DATASET, "v1", gsm8k_dir(tmp_path / "raw", rows=3), mirror)
+    assert cli.main(["data", "placed", DATASET, "--revision", "v1", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == "data-source-unplaced"
+    assets.fetch("dataset", DATASET, "v1", "mirror", mirror=mirror)
+    assert cli.main(["data", "placed", DATASET, "--revision", "v1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["action"], doc["rows"]) == ("placed", {"train": 3, "test": 3})
+    assert cli.main(["data", "placed", DATASET, "--revision", "v1", "--json", "--check"]) == 0
+    assert json.loads(capsys.readouterr().out)["changed"] is False
+
+
 def test_prepare_refuses_a_data_source_it_does_not_know(places, tmp_path):
     mirror = tmp_path / "mirror"
     assets.publish("dataset", DATASET, "v1", gsm8k_dir(tmp_path / "raw"), mirror)

@@ -360,6 +360,21 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     g.add_argument("--train", type=Path, required=True, help="the train split as published")
     g.add_argument("--test", type=Path, required=True, help="the test split as published")
     g.add_argument("--out", type=Path, required=True, help="writes OUT/{train,test}.parquet")
+    summary = "a data set oldgpu assets placed -> prepared_dir/<id>/<revision>, by data_source"
+    p = subcommand.add(kinds, common, "placed", run_placed, help=summary)
+    p.add_argument("id", help="the data set's id, as a job's dataset names it")
+    p.add_argument("--revision", default="main", help="as the job's dataset_revision")
+    p.add_argument("--data-source", default=DATA_SOURCE, help=f"the job's (default {DATA_SOURCE})")
+    p.add_argument("--check", action="store_true", help="say what would change; change nothing")
+
+
+def run_placed(args: argparse.Namespace) -> Result:
+    from oldgpu import asset_files
+
+    raw = asset_files.place_of("dataset", args.id, args.revision)
+    out = asset_files.prepared_of(args.id, args.revision)
+    doc = prepare(raw, args.data_source, out, check=args.check)
+    return Result(doc, f"{doc['path']}: {doc['action']} from {raw}")
 
 
 def run(args: argparse.Namespace) -> Result:
