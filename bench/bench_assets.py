@@ -28,6 +28,15 @@ KINDS: dict[str, dict[str, Any]] = {
     "bench": {"shape": "qwen2.5-0.5b", "prompt": 256, "response": 256, "rows": 640},
     "bench-1.5b": {"shape": "qwen2.5-1.5b", "prompt": 256, "response": 256, "rows": 640},
     "bench-3b": {"shape": "qwen2.5-3b", "prompt": 256, "response": 256, "rows": 640},
+    # Qwen2.5-7B's shape, written as a bf16 checkpoint (as Qwen's own are): the LoRA job
+    # stores it at 16 bits (base_dtype) and computes in fp32.
+    "bench-7b": {
+        "shape": "qwen2.5-7b",
+        "prompt": 256,
+        "response": 256,
+        "rows": 640,
+        "dtype": "bfloat16",
+    },
     "learn": {
         "model": dict(
             hidden_size=256,
@@ -97,8 +106,9 @@ def pad_question(tokenizer: Any, question: str, target: int, rng: random.Random)
         text = longer
 
 
-def build_model(shape: dict[str, Any], tokenizer: Any, seed: int) -> Any:
-    """A Qwen2 of ``shape`` with random weights, built on the GPU when there is one."""
+def build_model(shape: dict[str, Any], tokenizer: Any, seed: int, dtype: str = "float32") -> Any:
+    """A Qwen2 of ``shape`` with random weights in ``dtype``, built on the GPU when there
+    is one (a 7B shape in fp32 is 30 GB: built at its checkpoint's 16 bits directly)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -111,14 +121,19 @@ def build_model(shape: dict[str, Any], tokenizer: Any, seed: int) -> Any:
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        torch_dtype="float32",
+        torch_dtype=dtype,
         use_sliding_window=False,
         sliding_window=None,
         max_window_layers=shape["num_hidden_layers"],
     )
     torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
@@ -150,7 +165,7 @@ def build_assets(kind: str, home: Path, seed: int = 0) -> dict[str, Any]:
         texts = [f"{p['question']} {gsm8k.INSTRUCTION}" for rows in splits.values() for p in rows]
         texts += [p["answer"] for rows in splits.values() for p in rows] + list(FILLER) * 20
         tokenizer = smoke.build_tokenizer(texts)
-        model = build_model(model_shape(kind), tokenizer, seed)
+        model = build_model(model_shape(kind), tokenizer, seed, spec.get("dtype", "float32"))
         model_dir = out / "model"
         tokenizer.save_pretrained(model_dir)
         model.save_pretrained(model_dir, safe_serialization=True)

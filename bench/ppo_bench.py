@@ -145,6 +145,8 @@ LEARN = (
     "custom_reward_function.path={reward}",
     "custom_reward_function.name=compute_score",
 )
+# LoRA trains a few parameters: its usual learning rate is ten times full fine-tuning's.
+LEARN_LORA = ("actor_rollout_ref.actor.optim.lr=1e-3",)
 # GRPO's job fields; n and the LoRA numbers are verl's GRPO/LoRA examples'.
 GRPO = {"algorithm": "grpo", "rollout_n": 4, "kl_loss_coef": 0.001}
 # fp16 against fp32 on the volta profile (a 32 GB V100's plan, its guard's cap). The
@@ -212,6 +214,15 @@ SETTINGS: dict[str, Setting] = {
             job={**GRPO, **LORA},
         ),
         Setting(
+            "grpo-lora-7b",
+            "GRPO + LoRA, Qwen2.5-7B-shaped (a bf16 checkpoint), the base stored at 16 bits "
+            "and computed in fp32 (base_dtype bf16), at the planner's batch; saves its "
+            "checkpoint at its last step",
+            kind="bench-7b",
+            job={**GRPO, **LORA, "base_dtype": "bf16"},
+            save=True,
+        ),
+        Setting(
             "learn",
             "learning check (PPO): a small model must raise bench/reward_digits.py's reward",
             kind="learn",
@@ -224,6 +235,20 @@ SETTINGS: dict[str, Setting] = {
             kind="learn",
             job={"train_batch_size": 64, **GRPO},
             overrides=LEARN,
+        ),
+        Setting(
+            "learn-grpo-lora",
+            "learning check (GRPO + LoRA, rank 32, LoRA's learning rate), fp32 base",
+            kind="learn",
+            job={"train_batch_size": 64, **GRPO, **LORA, "base_dtype": "fp32"},
+            overrides=(*LEARN, *LEARN_LORA),
+        ),
+        Setting(
+            "learn-grpo-lora-bf16",
+            "learn-grpo-lora with the base stored at bf16 (base_dtype), computed in fp32",
+            kind="learn",
+            job={"train_batch_size": 64, **GRPO, **LORA, "base_dtype": "bf16"},
+            overrides=(*LEARN, *LEARN_LORA),
         ),
         Setting(
             "grpo-cmp",
@@ -309,6 +334,8 @@ def job_spec(setting: Setting, steps: int, scale: str, assets: dict[str, Any]) -
         "prompt_length": assets["prompt_length"],
         "response_length": assets["response_length"],
         "profile": setting.profile if scale == "gpu" else "cpu",
+        # one card, as every result so far (a job's default, all, follows the machine)
+        "gpus": 1,
         **job,
         "overrides": overrides,
     }
@@ -341,7 +368,8 @@ def prepare(name: str, steps: int, out: Path, scale: str) -> dict[str, Any]:
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "state", ignore_errors=True)  # resume_mode=auto: start afresh
     (out / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
-    env_text = engine("job", "env", str(out / "job.json"))
+    # run by this script, not verl-train@.service: its sandbox's path checks do not apply
+    env_text = engine("job", "env", "--outside-unit", str(out / "job.json"))
     (out / "job.env").write_text(env_text)
     state = out / "state"
     composed = json.loads(

@@ -8,7 +8,8 @@ let
   version = oldgpu.versions.engine;
 
   # What the engine's build and tests read: pyproject, src/ (whose
-  # data/pins.json links to files/pins.json) and tests/.
+  # data/pins.json links to files/pins.json, and data/verl-train@.service to the
+  # unit file: `oldgpu job env` reads what its sandbox hides) and tests/.
   src = builtins.path {
     path = root;
     name = "oldgpu-source";
@@ -27,6 +28,8 @@ let
           "README.md"
           "files"
           "files/pins.json"
+          "files/systemd"
+          "files/systemd/verl-train@.service"
         ]
         || builtins.elem top [
           "src"

@@ -261,6 +261,8 @@ def job_spec(job_dir: Path, **extra: Any) -> dict[str, Any]:
         "train_files": str(job_dir / "train.parquet"),
         "val_files": str(job_dir / "test.parquet"),
         "total_steps": 100,
+        # explicit: the default (all) needs the host's cards, which compose() alone lacks
+        "gpus": 1,
         **extra,
     }
 

@@ -255,6 +255,45 @@ def test_fp16_allowed_when_the_policy_is_fp16(tmp_path) -> None:
         guard.uninstall()
 
 
+def test_a_16bit_base_may_be_stored_and_converted_but_not_computed_in() -> None:
+    """OLDGPU_GUARD_STORAGE_DTYPES=bf16 (a LoRA job's base_dtype): a P40 can hold and
+    convert bf16 (bit moves), never multiply, attend or reduce in it."""
+    torch = pytest.importorskip("torch")
+    guard.uninstall()
+    env = {"OLDGPU_GUARD": "pascal", "OLDGPU_GUARD_DEVICE": "cpu", "OLDGPU_GUARD_MEMORY_MIB": "0"}
+    guard.install(guard.policy_from_env({**env, "OLDGPU_GUARD_STORAGE_DTYPES": "bf16"}))
+    try:
+        w = torch.randn(8, 8).to(torch.bfloat16)  # stored at 16 bits
+        flat = torch.cat([w.view(-1), w.t().reshape(-1)])  # FSDP flattens it
+        up = flat[:64].view(8, 8).float()  # and upcasts a unit just in time
+        assert up.dtype == torch.float32 and torch.equal(up, w.float())
+        x = torch.randn(2, 8)
+        assert (x @ up).dtype == torch.float32  # fp32 math on the upcast copy
+        arithmetic = [
+            lambda: w @ w,
+            lambda: torch.nn.functional.linear(x.bfloat16(), w),
+            lambda: w.sum(),
+            lambda: w * 2,
+            lambda: torch.softmax(w, -1),  # attention's core (CPU's SDPA upcasts bf16 itself)
+            lambda: torch.bmm(w[None], w[None]),
+        ]
+        for op in arithmetic:
+            with pytest.raises(guard.GuardViolation, match="bfloat16 is not allowed"):
+                op()
+        with pytest.raises(guard.GuardViolation):  # fp16 was not asked for
+            torch.ones(2).half()
+    finally:
+        guard.uninstall()
+    with pytest.raises(guard.GuardViolation):  # without the variable, storage is refused too
+        guard.install(guard.policy_from_env(env))
+        try:
+            torch.ones(2).bfloat16()
+        finally:
+            guard.uninstall()
+    with pytest.raises(EngineError, match="expected bf16 and/or fp16"):
+        guard.policy_from_env({**env, "OLDGPU_GUARD_STORAGE_DTYPES": "int8"})
+
+
 def test_other_devices_are_not_watched() -> None:
     torch = pytest.importorskip("torch")
     guard.uninstall()
@@ -574,3 +613,17 @@ def test_cli_check_inactive_fails() -> None:
     )
     assert proc.returncode == 1
     assert "not active" in proc.stdout
+
+
+def test_a_violation_survives_pickling_as_ray_sends_it() -> None:
+    """A worker's violation reaches the driver whole (Ray pickles exceptions)."""
+    import pickle
+
+    err = guard.GuardViolation("guard-dtype", "aten.mm made bf16", op="aten.mm", site="x.py:1")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.name, back.message, back.op, back.site) == (
+        "guard-dtype",
+        "aten.mm made bf16",
+        "aten.mm",
+        "x.py:1",
+    )

@@ -151,7 +151,8 @@ def test_missing_required_setting(job_dir):
 
 def test_cli_env_renders_and_refuses(job_dir, tmp_path):
     good = tmp_path / "good.json"
-    good.write_text(json.dumps(spec(job_dir, enabled=False)))
+    # under /srv: the unit hides /tmp, where job_dir is (job-path-protected)
+    good.write_text(json.dumps(spec(Path("/srv/job"), enabled=False)))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run(
         [sys.executable, "-m", "oldgpu", "job", "env", "--json", str(good)],

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from oldgpu.patch import compat  # noqa: E402 (needs torch)
+from oldgpu.patch.runtime import compat  # noqa: E402 (needs torch)
 
 
 def ref_unpad(x, mask, unused=None):

@@ -104,6 +104,8 @@ def test_json_report_shape(verl_tree: Path, capsys) -> None:
         "entropy-by-rows",
         "response-logits",
         "compat-module",
+        "base16-params-only",
+        "base16-embedding-units",
     }
     sites = {p["name"]: p["sites"] for p in out["patches"]}
     assert len(sites["autocast-compute-dtype"]) == 5
@@ -294,14 +296,17 @@ def extra_patch_sets(tmp_path: Path, monkeypatch):
 
 def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
     assert registry.patch_set_modules() == [
-        "oldgpu.patch.verl_0_5_0",
-        "oldgpu.patch.verl_0_5_0_cpu",
-        "oldgpu.patch.verl_0_5_0_fp16",
-        "oldgpu.patch.verl_0_5_0_logits",
-        "oldgpu.patch.verl_0_9_0",
-        "oldgpu.patch.verl_0_9_0_cpu",
+        "oldgpu.patch.verl_0_5_0.base",
+        "oldgpu.patch.verl_0_5_0.base16",
+        "oldgpu.patch.verl_0_5_0.cpu",
+        "oldgpu.patch.verl_0_5_0.fp16",
+        "oldgpu.patch.verl_0_5_0.logits",
+        "oldgpu.patch.verl_0_9_0.base",
+        "oldgpu.patch.verl_0_9_0.cpu",
     ]
-    (extra_patch_sets / "verl_9_9_9.py").write_text(
+    (extra_patch_sets / "verl_9_9_9").mkdir()
+    (extra_patch_sets / "verl_9_9_9" / "__init__.py").write_text("")
+    (extra_patch_sets / "verl_9_9_9" / "base.py").write_text(
         "from oldgpu.patch.sitepatch import SitePatch\n\n\n"
         "class Later(SitePatch):\n"
         '    name = "later-fix"\n'
@@ -309,17 +314,23 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
         '    sites = (("verl/x.py", "<module>", 1),)\n\n\n'
         "PATCHES = (Later(),)\n"
     )
-    (extra_patch_sets / "notes_verl_9_9_9.py").write_text("raise SystemExit('not a patch set')\n")
+    # Neither a loose module nor a package not named for a release is a patch set.
+    (extra_patch_sets / "verl_9_9_8.py").write_text("raise SystemExit('not a patch set')\n")
+    (extra_patch_sets / "notes").mkdir()
+    (extra_patch_sets / "notes" / "__init__.py").write_text("raise SystemExit('not one')\n")
     assert patcher.supported_versions() == ["0.5.0", "0.9.0", "9.9.9"]
     (later,) = patcher.select_patches("9.9.9", patcher.Options())
     assert (later.name, later.files) == ("later-fix", ("verl/x.py",))
-    # The dtype set, the two HF-rollout fixes GRPO and LoRA need, and the logits set.
-    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 9
+    # The dtype set, the two HF-rollout fixes GRPO and LoRA need, the logits set and the
+    # 16-bit LoRA base's two sites.
+    assert len(patcher.select_patches("0.5.0", patcher.Options())) == 11
 
 
 def test_registry_refuses_a_version_module_without_patches(extra_patch_sets: Path) -> None:
-    (extra_patch_sets / "verl_9_9_9_extra.py").write_text("PATCHES = ['not a patch']\n")
-    with pytest.raises(RuntimeError, match="verl_9_9_9_extra must export PATCHES"):
+    (extra_patch_sets / "verl_9_9_9").mkdir()
+    (extra_patch_sets / "verl_9_9_9" / "__init__.py").write_text("")
+    (extra_patch_sets / "verl_9_9_9" / "extra.py").write_text("PATCHES = ['not a patch']\n")
+    with pytest.raises(RuntimeError, match=r"verl_9_9_9\.extra must export PATCHES"):
         patcher.supported_versions()
 
 

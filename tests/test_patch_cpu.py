@@ -11,7 +11,7 @@ from conftest import function_def, needs_torch, patch_cli, run_in_tree, tree_has
 
 from oldgpu import cli
 from oldgpu import patch as patcher
-from oldgpu.patch import verl_0_5_0_cpu
+from oldgpu.patch.verl_0_5_0 import cpu as verl_0_5_0_cpu
 
 pytestmark = pytest.mark.slow
 

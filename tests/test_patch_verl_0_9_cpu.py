@@ -18,7 +18,7 @@ from conftest import (
     tree_hashes,
 )
 
-from oldgpu.patch import verl_0_9_0_cpu
+from oldgpu.patch.verl_0_9_0 import cpu as verl_0_9_0_cpu
 
 pytestmark = pytest.mark.slow
 

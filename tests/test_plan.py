@@ -544,12 +544,14 @@ def test_cli_memory_from_detect(plan_cli, monkeypatch):
     assert doc["inputs"]["profile"].startswith("pascal")
 
 
-def test_cli_cpu_without_budget_or_gpu(plan_cli, monkeypatch):
+def test_cli_without_a_gpu_refuses_rather_than_planning_for_the_cpu(plan_cli, monkeypatch):
     monkeypatch.setattr(plan.detect, "run_nvidia_smi", lambda: None)
     monkeypatch.setattr(plan.detect, "run_lspci", lambda: None)
-    code, doc, _ = plan_cli("--gpu-mib", "24576", "--json")
-    assert code == 2
-    assert doc["error"] == "plan-profile-unknown"
+    for argv in (("--gpu-mib", "24576"), ("--host-mib", "65536"), ()):
+        code, doc, _ = plan_cli(*argv, "--json")
+        assert code == 2, argv
+        assert doc["error"] == "plan-no-gpu", argv
+        assert "--profile" in doc["message"] and "--gpu-mib" in doc["message"]
 
 
 # -- the overrides against verl 0.5.0's own config ----------------------------------------

@@ -73,7 +73,7 @@ def test_entropy_rows_are_the_patchs() -> None:
     import ast
     from importlib import resources
 
-    text = (resources.files("oldgpu.patch") / "compat_logits.py").read_text()
+    text = (resources.files("oldgpu.patch.runtime") / "compat_logits.py").read_text()
     (value,) = [
         n.value.value
         for n in ast.parse(text).body

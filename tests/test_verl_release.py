@@ -102,7 +102,16 @@ def test_the_bench_machine_names_its_own_release_dirs(job_dir):
     ],
 )
 def test_what_the_newer_release_cannot_run_is_a_config_error(job_dir, extra, why):
-    job = jobs.job_from_mapping(spec(job_dir, **{"profile": "pascal", **extra}, verl_version=NEWER))
+    # Knowable from the job alone: refused with its settings (oldgpu job env, the role's
+    # preflight), before a unit exists; compose refuses it too (a hand-written env file).
+    values = spec(job_dir, **{"profile": "pascal", **extra}, verl_version=NEWER)
+    with pytest.raises(EngineError) as exc:
+        jobs.job_from_mapping(values)
+    assert exc.value.name == "verl-version-unsupported"
+    assert exc.value.code == jobs.CONFIG_INVALID
+    assert why in exc.value.message
+    job = jobs.job_from_mapping({**values, "verl_version": ""})
+    job = dataclasses.replace(job, verl_version=NEWER)
     cluster = {"nnodes": 2, "n_gpus_per_node": 1} if job.cluster else None
     with pytest.raises(EngineError) as exc:
         jobs.compose(

@@ -38,6 +38,8 @@ EXIT_SHA = 23
 EXIT_INDEX = 24
 EXIT_PLACE = 25
 EXIT_HUB = 26
+EXIT_CODES = (EXIT_SPEC, EXIT_SOURCE, EXIT_REVISION, EXIT_MISSING, EXIT_SHA, EXIT_INDEX,
+              EXIT_PLACE, EXIT_HUB)  # fmt: skip
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

@@ -489,6 +489,8 @@ def run_publish(args: argparse.Namespace) -> Result:
 
 def run_verify(args: argparse.Namespace) -> Result:
     place = place_of(args.kind, args.id, args.revision)
+    if read_placed(place) is None:
+        raise error("asset-not-placed", f"{place}: no whole copy placed there", EXIT_MISSING)
     bad = verify_placed(place)
     if bad:
         raise error(

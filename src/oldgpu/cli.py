@@ -37,6 +37,7 @@ COMMAND_MODULES = (
     "oldgpu.paths",
     "oldgpu.raynode",
     "oldgpu.fleet",
+    "oldgpu.base_dtype",
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's
@@ -50,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oldgpu", description=__doc__)
     parser.add_argument("--version", action="version", version=f"oldgpu {__version__}")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    # SUPPRESS: a sub-command's parser sets no default over its parent's, so `oldgpu job
+    # --json fields` is JSON as `oldgpu job fields --json` is (main fills in False).
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         try:
@@ -92,20 +97,39 @@ def _reexec_in_venv(args: argparse.Namespace, argv: Sequence[str]) -> None:
     )
 
 
+# A reader that stopped early (``oldgpu profile --json | head``): the status a process
+# killed by SIGPIPE reports in a shell, 128 + 13, without a traceback.
+BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.json = getattr(args, "json", False)
+    try:
+        return _run(args, argv)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         _reexec_in_venv(args, argv)
         result = args.func(args)
     except EngineError as exc:
-        if getattr(args, "json", False):
+        if args.json:
             json.dump(exc.as_dict(), sys.stdout, indent=2)
             sys.stdout.write("\n")
         print(f"oldgpu {args.command}: {exc}", file=sys.stderr)
+        sys.stdout.flush()  # a closed reader shows here, inside main's handler
         return exc.code
-    return result.emit(args.json)
+    code = result.emit(args.json)
+    sys.stdout.flush()
+    return code
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def with_cpu_workers(res: Mapping[str, Any], cpu_workers: int) -> dict[str, Any]
     """A node without GPUs that offers the cpu profile's worker slots.
 
     verl places each worker in a bundle of one GPU and one ``<device>`` resource
-    (``cpu`` on the cpu profile; oldgpu.patch.compat_cpu): a CPU-only node
+    (``cpu`` on the cpu profile; oldgpu.patch.runtime.compat_cpu): a CPU-only node
     advertises ``cpu_workers`` of both so that a cpu-profile job (CI, the
     tests) can place that many workers on it. A node with GPUs ignores it.
     """

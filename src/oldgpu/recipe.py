@@ -9,9 +9,11 @@ Why each decision (verl 0.5.0):
   critic is built (ray_trainer.py: only ``gae`` has one). The critic-free estimators
   compare responses to the same prompt, so most need ``rollout.n >= 2``; they take
   their KL to the reference as a loss (``actor.use_kl_loss``), as verl's own GRPO
-  examples do. Offered here: the ones that work with verl's default policy loss and
+  examples do. Offered: the ones that work with verl's default policy loss and
   the HF rollout; ``opo``, ``grpo_passk`` and ``gpg`` (its own policy loss) stay
-  reachable through ``overrides``.
+  reachable through ``overrides``. The table (``ALGORITHMS``), the shared defaults and
+  the checks live in ``oldgpu.plan.recipes``, so ``oldgpu plan`` refuses what a job
+  refuses; this module re-exports them.
 - ``gae`` keeps verl's PPO default, no KL loss; an override
   ``actor_rollout_ref.actor.use_kl_loss=True`` turns it on with ``kl_loss_coef``.
 - LoRA (``lora_rank > 0``): verl wraps the actor with peft and uses the actor
@@ -24,40 +26,24 @@ Why each decision (verl 0.5.0):
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+# The algorithms a job (and the planner) accepts, and their rules: plan/recipes.py owns
+# them, so `oldgpu plan` and a job refuse the same settings.
+from oldgpu.plan.recipes import ALGORITHMS as ALGORITHMS
+from oldgpu.plan.recipes import BASE_DTYPES as BASE_DTYPES
+from oldgpu.plan.recipes import DEFAULT_ALGORITHM as DEFAULT_ALGORITHM
+from oldgpu.plan.recipes import DEFAULT_BASE_DTYPE as DEFAULT_BASE_DTYPE
+from oldgpu.plan.recipes import DEFAULT_PROMPT_LENGTH as DEFAULT_PROMPT_LENGTH
+from oldgpu.plan.recipes import DEFAULT_RESPONSE_LENGTH as DEFAULT_RESPONSE_LENGTH
+from oldgpu.plan.recipes import DEFAULT_ROLLOUT_N as DEFAULT_ROLLOUT_N
+from oldgpu.plan.recipes import Algorithm as Algorithm
+from oldgpu.plan.recipes import setting_problems
 from oldgpu.plan.recipes import uses_critic as estimator_uses_critic
+from oldgpu.plan.spelling import JOB
 
-
-@dataclass(frozen=True)
-class Algorithm:
-    name: str
-    min_rollout_n: int
-    about: str
-
-    @property
-    def critic(self) -> bool:
-        """Whether verl builds a critic: the planner's table owns that fact."""
-        return estimator_uses_critic(self.name)
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        Algorithm("gae", 1, "PPO with a critic (GAE advantages)"),
-        Algorithm("grpo", 2, "group-relative: each response against its prompt's group"),
-        Algorithm("rloo", 2, "REINFORCE, leave-one-out baseline of the prompt's group"),
-        Algorithm("reinforce_plus_plus_baseline", 2, "REINFORCE++, group-mean baseline"),
-        Algorithm("reinforce_plus_plus", 1, "REINFORCE++, batch-whitened returns"),
-        Algorithm("remax", 1, "ReMax: a greedy response per prompt as the baseline"),
-    )
-}
-DEFAULT_ALGORITHM = "gae"
 ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
-MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 FLOAT_DIGITS = 6  # an env file holds floats as %g (what Nix's JSON writes, too)
 
 
@@ -85,42 +71,9 @@ def uses_critic(algorithm: str) -> bool:
 
 
 def problems(values: Mapping[str, Any]) -> list[str]:
-    """What is wrong with a job's recipe settings (already of the right types)."""
-    out: list[str] = []
-    algorithm = values["algorithm"]
-    if algorithm not in ALGORITHMS:
-        return [f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}"]
-    algo = ALGORITHMS[algorithm]
-    n = values["rollout_n"]
-    if n < 1:
-        out.append(f"rollout_n: {n} must be at least 1")
-    elif n < algo.min_rollout_n:
-        out.append(
-            f"rollout_n: {n} is too few for algorithm {algorithm} ({algo.about}): "
-            f"it needs at least {algo.min_rollout_n} responses per prompt"
-        )
-    if values["kl_loss_coef"] < 0:
-        out.append(f"kl_loss_coef: {values['kl_loss_coef']} must be 0 (no KL loss) or more")
-    if values.get("critic_model_path") and not algo.critic:
-        out.append(f"critic_model_path: algorithm {algorithm} trains no critic")
-    rank, alpha, modules = values["lora_rank"], values["lora_alpha"], values["lora_target_modules"]
-    if rank < 0:
-        out.append(f"lora_rank: {rank} must be 0 (no LoRA) or more")
-    if alpha < 0:
-        out.append(f"lora_alpha: {alpha} must be 0 (twice lora_rank) or more")
-    if rank == 0:
-        if alpha:
-            out.append("lora_alpha: set without lora_rank (LoRA is off while lora_rank is 0)")
-        if modules:
-            out.append(
-                "lora_target_modules: set without lora_rank (LoRA is off while lora_rank is 0)"
-            )
-    for module in modules:
-        if module != ALL_LINEAR and not MODULE_RE.match(module):
-            out.append(f"lora_target_modules: {module!r} is not a module name (e.g. q_proj)")
-    if ALL_LINEAR in modules and len(modules) > 1:
-        out.append(f"lora_target_modules: {ALL_LINEAR} stands alone (it means every linear layer)")
-    return out
+    """What is wrong with a job's recipe settings (already of the right types); the
+    planner's ``oldgpu plan`` asks the same function, in its flags' names."""
+    return setting_problems(values, JOB)
 
 
 def target_modules(modules: tuple[str, ...]) -> str:

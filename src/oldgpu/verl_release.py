@@ -92,13 +92,19 @@ def dirs(version: str, environ: Mapping[str, str] | None = None) -> dict[str, st
 
 def check_job(version: str, prof: Mapping[str, Any], cluster: str) -> None:
     """What a newer release cannot run yet: a named error before anything starts."""
+    check_settings(version, prof["rollout"], cluster)
+
+
+def check_settings(version: str, rollout: str | None, cluster: str) -> None:
+    """``check_job`` with what a job's settings alone tell (``rollout`` None: not known
+    until the host's profile is), so ``oldgpu job env`` refuses it before a unit exists."""
     release(version)
     if version == default():
         return
-    if prof["rollout"] != "hf":
+    if rollout is not None and rollout != "hf":
         raise EngineError(
             "verl-version-unsupported",
-            f"verl {version} with the {prof['rollout']} rollout is not provided: its lock has "
+            f"verl {version} with the {rollout} rollout is not provided: its lock has "
             "no vLLM; use verl_version "
             f"{default()} or rollout hf (the {ROLLOUT_NAME} server)",
         )
@@ -107,6 +113,20 @@ def check_job(version: str, prof: Mapping[str, Any], cluster: str) -> None:
             "verl-version-unsupported",
             f"verl {version} runs on one host for now; a cluster job runs verl {default()}",
         )
+
+
+def plan_base_dtype(version: str, base_dtype: str) -> str:
+    """The base dtype the planner may use for ``version``: a newer release's rollout
+    server loads a weight copy of its own in fp32, so a 16-bit base (a LoRA job's
+    base_dtype) is 0.5.0's for now; auto plans fp32 there, bf16/fp16 are refused."""
+    if version == default() or base_dtype in ("auto", "fp32"):
+        return "fp32" if version != default() else base_dtype
+    raise EngineError(
+        "verl-version-unsupported",
+        f"base_dtype {base_dtype} with verl {version} is not provided: its {ROLLOUT_NAME} "
+        "server keeps an fp32 copy of the weights of its own; a 16-bit base runs verl "
+        f"{default()} (verl_version {default()})",
+    )
 
 
 def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:

@@ -42,6 +42,9 @@ plus ``src/oldgpu/guard_site`` first on PYTHONPATH (its ``sitecustomize`` calls
   ``violation``, ``ignored``, ``blocked-import``, ``memory-cap``), so a benchmark can
   assert that every torch process armed and none violated.
 - ``OLDGPU_GUARD_DEVICE``: the device type watched, ``cuda``; tests use ``cpu``.
+- ``OLDGPU_GUARD_STORAGE_DTYPES``: ``bf16`` and/or ``fp16``, forbidden dtypes that may
+  still be stored and converted (a LoRA job's frozen base at 16 bits, its ``base_dtype``;
+  the job sets it): copies, views and conversions pass, 16-bit arithmetic still raises.
 
 Modes are thread-local in torch: the dispatch mode is pushed on the thread that imports
 torch, through a hook on ``threading.Thread`` on every thread started after, and through
@@ -77,6 +80,7 @@ from oldgpu.guard.policy import (
     ENV_LOG,
     ENV_MEMORY,
     ENV_OPS_STEPS,
+    ENV_STORAGE_DTYPES,
     GPU_NAMES,
     SITE_DIR,
     GuardViolation,
@@ -106,6 +110,7 @@ __all__ = [
     "ENV_LOG",
     "ENV_MEMORY",
     "ENV_OPS_STEPS",
+    "ENV_STORAGE_DTYPES",
     "GPU_NAMES",
     "SITE_DIR",
     "GuardViolation",

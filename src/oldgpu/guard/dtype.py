@@ -5,6 +5,11 @@
 until :func:`end_ops_check` (after ``OLDGPU_GUARD_OPS_STEPS`` optimizer steps);
 ``conversions`` wraps the Tensor conversions only. ``torch.autocast`` to a forbidden
 dtype raises in both.
+
+A policy's ``storage_dtypes`` (a LoRA job's frozen base stored at 16 bits) may be made,
+moved, viewed and converted by the ops in STORAGE_OPS, as a P40 can (copies and
+conversions are bit moves, not 16-bit math); any other op that makes one (a matmul,
+attention, a reduction, elementwise math) is still 16-bit arithmetic and raises.
 """
 
 from __future__ import annotations
@@ -17,6 +22,22 @@ from typing import Any
 
 from oldgpu.guard.policy import GuardViolation, Policy
 from oldgpu.guard.state import _STATE, _patch, call_site, record, violation
+
+# aten ops that store, move, view or convert a tensor without computing in its dtype
+# (the overload name dropped: aten.cat.default -> cat).
+STORAGE_OPS = frozenset(
+    {
+        "_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "contiguous",
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+        "zeros", "zeros_like", "zero_", "new_zeros", "fill_", "resize_", "set_",
+        "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "scalar_tensor",
+        "view", "_unsafe_view", "view_as", "reshape", "_reshape_alias", "flatten",
+        "as_strided", "alias", "detach", "t", "transpose", "permute", "expand",
+        "unsqueeze", "squeeze", "slice", "select", "narrow", "split", "split_with_sizes",
+        "chunk", "unbind", "cat", "stack", "lift_fresh", "_pin_memory", "record_stream",
+        "index_select", "embedding",
+    }
+)  # fmt: skip
 
 
 def _device_of(tensor: Any) -> str:
@@ -84,9 +105,13 @@ def _make_dispatch_mode(torch: Any, policy: Policy) -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     forbidden = _forbidden(torch, policy)
+    stored = frozenset(getattr(torch, name) for name in policy.storage_dtypes)
     device = policy.device
     tensor_type = torch.Tensor
     is_cuda = device == "cuda"
+
+    def storage_only(func: Any, tensor: Any) -> bool:
+        return tensor.dtype in stored and func.__name__.split(".")[0] in STORAGE_OPS
 
     class DtypeGuardMode(TorchDispatchMode):
         """Checks every aten op's outputs for a forbidden dtype on the guarded device."""
@@ -98,8 +123,10 @@ def _make_dispatch_mode(torch: Any, policy: Policy) -> Any:
             if not self.checking:
                 return out
             if isinstance(out, tensor_type):
-                if out.dtype in forbidden and (
-                    out.is_cuda if is_cuda else _device_of(out) == device
+                if (
+                    out.dtype in forbidden
+                    and (out.is_cuda if is_cuda else _device_of(out) == device)
+                    and not storage_only(func, out)
                 ):
                     raise _dtype_error(func, out, policy)
             elif isinstance(out, (tuple, list)):
@@ -108,6 +135,7 @@ def _make_dispatch_mode(torch: Any, policy: Policy) -> Any:
                         isinstance(item, tensor_type)
                         and item.dtype in forbidden
                         and (item.is_cuda if is_cuda else _device_of(item) == device)
+                        and not storage_only(func, item)
                     ):
                         raise _dtype_error(func, item, policy)
             return out
@@ -213,8 +241,11 @@ def _hook_threads() -> None:
 
 
 def _arm_conversions(torch: Any, policy: Policy) -> None:
-    """Without the dispatch mode: ``.to``/``.bfloat16()``/``.half()``/``.type()`` only."""
-    forbidden = _forbidden(torch, policy)
+    """Without the dispatch mode: ``.to``/``.bfloat16()``/``.half()``/``.type()`` only
+    (conversions to a storage dtype are allowed: this mode sees no arithmetic)."""
+    forbidden = _forbidden(torch, policy) - frozenset(
+        getattr(torch, name) for name in policy.storage_dtypes
+    )
 
     def check(result: Any, what: str) -> Any:
         for t in _tensors(result):

@@ -23,6 +23,10 @@ ENV_DTYPE_CHECK = "OLDGPU_GUARD_DTYPE_CHECK"
 ENV_OPS_STEPS = "OLDGPU_GUARD_OPS_STEPS"
 ENV_LOG = "OLDGPU_GUARD_LOG"
 ENV_DEVICE = "OLDGPU_GUARD_DEVICE"
+# The 16-bit dtypes a job may store (not compute in) on the card: a LoRA job's frozen base
+# at 16 bits (its base_dtype), upcast to fp32 one FSDP unit at a time. Set by the job.
+ENV_STORAGE_DTYPES = "OLDGPU_GUARD_STORAGE_DTYPES"
+STORAGE_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 # Bench only: trace the peak memory per verl phase (guard/phases.py).
 ENV_MEMORY_PHASES = "OLDGPU_GUARD_MEMORY_PHASES"
 
@@ -76,6 +80,15 @@ class GuardViolation(EngineError):
         self.op = op
         self.site = site
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles a worker's exception to the driver: keep the name and the message
+        # (the default would call __init__ with the message alone and lose both).
+        return (_rebuild_violation, (self.name, self.message, self.op, self.site))
+
+
+def _rebuild_violation(name: str, message: str, op: str, site: str) -> GuardViolation:
+    return GuardViolation(name, message, op=op, site=site)
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -96,6 +109,8 @@ class Policy:
     dtype_check: str
     log: str | None
     ops_steps: int = 0
+    # Forbidden dtypes that may still be stored and converted (never computed in).
+    storage_dtypes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +130,7 @@ def policy_for(
     device: str = "cuda",
     log: str | None = None,
     ops_steps: int = 0,
+    storage_dtypes: tuple[str, ...] = (),
 ) -> Policy:
     """The guard's policy for a profile name (``pascal``, ``pascal-6.1``, ``volta``...)."""
     from oldgpu import profile
@@ -149,6 +165,7 @@ def policy_for(
     if memory_mib is not None and memory_mib <= 0:
         memory_mib = None
     forbidden = ("bfloat16",) if dtype == "fp16" else ("bfloat16", "float16")
+    storage = _storage_dtypes(storage_dtypes, forbidden)
     return Policy(
         profile=prof["name"],
         architecture=prof["architecture"],
@@ -168,7 +185,27 @@ def policy_for(
         dtype_check=dtype_check,
         log=log,
         ops_steps=max(0, ops_steps),
+        storage_dtypes=storage,
     )
+
+
+def _storage_dtypes(names: tuple[str, ...], forbidden: tuple[str, ...]) -> tuple[str, ...]:
+    """``bf16``/``fp16`` (or torch's names) as torch dtype names; only forbidden ones
+    matter (an allowed dtype needs no exception)."""
+    found = []
+    for raw in names:
+        name = raw.strip().lower()
+        if not name:
+            continue
+        torch_name = STORAGE_DTYPE_NAMES.get(name, name)
+        if torch_name not in STORAGE_DTYPE_NAMES.values():
+            raise EngineError(
+                "guard-storage-dtypes-invalid",
+                f"{ENV_STORAGE_DTYPES}={','.join(names)!r}: expected bf16 and/or fp16",
+            )
+        if torch_name in forbidden and torch_name not in found:
+            found.append(torch_name)
+    return tuple(found)
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -208,6 +245,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> Policy | None:
         dtype_check=env.get(ENV_DTYPE_CHECK, "").strip().lower() or "ops",
         device=env.get(ENV_DEVICE, "").strip().lower() or "cuda",
         log=env.get(ENV_LOG, "").strip() or None,
+        storage_dtypes=tuple(env.get(ENV_STORAGE_DTYPES, "").split(",")),
     )
 
 

@@ -17,8 +17,10 @@ invalid (``CONFIG_INVALID``).
 
 Where each part lives (a new setting goes into ``settings.py``):
 
-* ``settings.py``: the fields (``FIELDS``), their defaults and checks (``job_from_mapping``),
-  the env file (``render_env``, ``parse_env``, ``load_job``);
+* ``settings.py``: the fields (``FIELDS``), their defaults and checks (``job_from_mapping``;
+  ``check_for_unit``, what the unit's sandbox hides), the env file (``render_env``,
+  ``parse_env``, ``load_job``);
+* ``unit.py``: what ``verl-train@.service`` hides from a job, read from the unit file;
 * ``compose.py``: the job on this host: its profile, cards, plan, overrides, argv and
   environment (``compose``, ``compose_for_host``);
 * ``cli.py``: ``oldgpu job``'s sub-commands.
@@ -52,6 +54,7 @@ from oldgpu.jobs.settings import (
     STATE_DIR,
     Field,
     Job,
+    check_for_unit,
     job_from_env,
     job_from_mapping,
     job_names,
@@ -77,6 +80,7 @@ __all__ = [
     "Job",
     "add_dir_args",
     "add_parser",
+    "check_for_unit",
     "compose",
     "compose_for_host",
     "environment",

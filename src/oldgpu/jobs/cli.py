@@ -21,6 +21,8 @@ from oldgpu.jobs.settings import (
     REQUIRED,
     STATE_DIR,
     Job,
+    check_for_unit,
+    choices,
     invalid,
     job_from_env,
     job_from_mapping,
@@ -72,6 +74,8 @@ def run_env(args: argparse.Namespace) -> Result:
     except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise invalid(f"cannot read a JSON job from {args.spec}: {exc}") from None
     job = job_from_mapping(values)
+    if not args.outside_unit:
+        check_for_unit(job)  # the unit's sandbox: refused here, not when it starts
     text = render_env(job)
     # ``job``: the settings as the engine resolved them (the verl_jobs role's assets
     # phase reads the model and data set from it).
@@ -87,10 +91,15 @@ def run_fields(args: argparse.Namespace) -> Result:
             "required": f.default is REQUIRED,
             "default": None if f.default is REQUIRED else f.default,
             "help": f.help,
+            "choices": choices(f),
         }
         for f in FIELDS
     ]
-    text = "\n".join(f"{d['name']:<20} {d['type']:<5} {d['help']}" for d in doc)
+    text = "\n".join(
+        f"{d['name']:<20} {d['type']:<5} {d['help']}"
+        + (f"\n{'':<27}one of: {', '.join(d['choices'])}" if d["choices"] else "")
+        for d in doc
+    )
     return Result(doc, text)
 
 
@@ -134,4 +143,10 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     env = subcommand.add(sub, common, "env", run_env, help="render a job's env file from JSON")
     env.add_argument("spec", help="a JSON object with the job's settings, or - for stdin")
+    env.add_argument(
+        "--outside-unit",
+        action="store_true",
+        help="the job runs outside verl-train@.service (a benchmark): skip the checks of "
+        "what its sandbox hides (/tmp, /home)",
+    )
     subcommand.add(sub, common, "fields", run_fields, help="the settings a job has")

@@ -17,9 +17,11 @@ from typing import Any
 
 from oldgpu import detect, devices, fleet, paths, profile, recipe, topology, verl_release
 from oldgpu import plan as planner
+from oldgpu.guard.policy import ENV_STORAGE_DTYPES
 from oldgpu.jobs import batches
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
+from oldgpu.plan import spelling
 
 
 def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -50,9 +52,10 @@ def plan_inputs(
     gpus: int | None = None,
 ) -> planner.Inputs:
     """The planner's inputs; ``gpus`` is the count of the chosen cards (FSDP shards over them)."""
+    version = job.verl_version or verl_release.default()
     return planner.Inputs(
         memory_mib=int(memory_mib),
-        gpus=_gpu_count(job) if gpus is None else gpus,
+        gpus=_gpu_count(job, prof) if gpus is None else gpus,
         shape=planner.shape_from_config(model_config),
         prompt_length=job.prompt_length,
         response_length=job.response_length,
@@ -62,7 +65,8 @@ def plan_inputs(
         target_train_batch=job.train_batch_size or None,
         model_name=job.model_path,
         profile_name=prof["name"],
-        **verl_release.plan_fields(job.verl_version or verl_release.default()),
+        interface=spelling.JOB,  # a refusal names the job's settings, not plan's flags
+        **verl_release.plan_fields(version),
         # The recipe, validated by the planner (it owns which estimator has a critic).
         **planner.recipe_fields(
             algorithm=job.algorithm,
@@ -71,12 +75,19 @@ def plan_inputs(
             lora_alpha=job.lora_alpha,
             lora_target_modules=job.lora_target_modules,
             ref=recipe.needs_ref(job),
+            base_dtype=verl_release.plan_base_dtype(version, job.base_dtype),
         ),
     )
 
 
-def _gpu_count(job: Job) -> int:
-    """The job's count when no cards were chosen (``all`` needs the host's cards)."""
+CUDA = {"device": "cuda"}  # a caller that names no profile
+
+
+def _gpu_count(job: Job, prof: Mapping[str, Any]) -> int:
+    """The job's count when no cards were chosen (``all`` needs the host's cards; the cpu
+    profile plans one worker)."""
+    if job.gpus == "all" and prof["device"] == "cpu":
+        return 1
     if job.gpus == "all":
         raise EngineError(
             "gpus-all-needs-host",
@@ -106,7 +117,11 @@ def merge_overrides(*groups: Iterable[str]) -> list[str]:
 
 
 def job_overrides(
-    job: Job, paths: Mapping[str, Path], gpus: int | None = None, nnodes: int = 1
+    job: Job,
+    paths: Mapping[str, Path],
+    gpus: int | None = None,
+    nnodes: int = 1,
+    prof: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """What the job itself decides: data, model, schedule, logging, resume."""
     critic = []
@@ -128,7 +143,7 @@ def job_overrides(
         f"trainer.save_freq={job.save_freq}",
         f"trainer.test_freq={job.test_freq}",
         f"trainer.nnodes={nnodes}",
-        f"trainer.n_gpus_per_node={_gpu_count(job) if gpus is None else gpus}",
+        f"trainer.n_gpus_per_node={_gpu_count(job, prof or CUDA) if gpus is None else gpus}",
         "trainer.project_name=verl",
         f"trainer.experiment_name={job.name}",
         "trainer.logger=['console','tensorboard']",
@@ -184,7 +199,7 @@ def compose(
         *merge_overrides(
             verl_release.profile_overrides(version, prof),
             verl_release.translate(version, plan_overrides),
-            job_overrides(job, paths, count, nnodes),
+            job_overrides(job, paths, count, nnodes, prof),
             verl_release.translate(version, recipe.overrides(job, prof)),
             verl_release.translate(version, job.overrides),
         ),
@@ -192,6 +207,7 @@ def compose(
     batches.check(job.name, argv)
     env = {
         **environment(job, prof, paths),
+        **storage_environment(plan_doc),
         **verl_release.environment(version, prof, os.environ if environ is None else environ),
         **({} if cards is None else devices.visible_devices_env(cards)),
         **(nccl or {}),
@@ -283,6 +299,13 @@ def environment(job: Job, prof: Mapping[str, Any], paths: Mapping[str, Path]) ->
     return env
 
 
+def storage_environment(plan_doc: Mapping[str, Any]) -> dict[str, str]:
+    """A LoRA base the plan stores at 16 bits: the P40 guard (a GPU proof's) lets the job
+    store and convert that dtype, and still refuses any arithmetic in it."""
+    base = plan_doc["inputs"].get("lora", {}).get("base_dtype", "fp32")
+    return {ENV_STORAGE_DTYPES: base} if base in ("bf16", "fp16") else {}
+
+
 def _memory_mib(prof: Mapping[str, Any], gpus: Sequence[Mapping[str, Any]]) -> int:
     if prof["device"] == "cpu":
         available = planner._host_available_mib()
@@ -322,6 +345,15 @@ def compose_for_host(
             gpus: list[Mapping[str, Any]] = []
         else:
             gpus = detect.detect_from_args(args)["gpus"]
+        if not gpus and not job.profile:
+            # As `oldgpu plan`: a host without a detected GPU never trains on its CPU
+            # unless the job says so.
+            raise EngineError(
+                "job-no-gpu",
+                "no NVIDIA GPU detected on this host: set profile: cpu to train on the CPU, "
+                "or run oldgpu doctor to see why the GPUs are not found",
+                code=CONFIG_INVALID,
+            )
         prof = resolve_profile(job, gpus)
         if prof["device"] == "cuda" and not gpus:
             raise invalid(f"profile {prof['name']} needs a GPU and none was detected")

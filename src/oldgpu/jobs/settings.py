@@ -9,6 +9,7 @@ shell's ``.`` read it alike, so values may hold neither a quote nor a newline.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from oldgpu import asset_files, paths, profile, recipe, verl_release
+from oldgpu.jobs import unit
 from oldgpu.output import EngineError
 
 CONFIG_INVALID = 4
@@ -61,21 +63,25 @@ FIELDS: tuple[Field, ...] = (
     Field("total_steps", "int", REQUIRED, "trainer.total_training_steps"),
     Field("save_freq", "int", 10, "checkpoint every N steps (resume continues from the last)"),
     Field("test_freq", "int", -1, "validate every N steps (-1: never)"),
-    Field("gpus", "count", 1, "GPUs for this job: a number, or all (the cards of one profile)"),
+    # all: a job that leaves gpus out uses the box it was put on (every card of one
+    # profile; FSDP over more cards plans a larger batch, so the planner would pick them
+    # all anyway). A host that runs several jobs at once sets gpus or devices per job.
+    Field("gpus", "count", "all", "GPUs for this job: a number, or all (the default: every card of one profile on the host)"),  # noqa: E501
     Field("devices", "indices", [], "the GPUs (nvidia-smi indices) to run on (empty: the engine chooses)"),  # noqa: E501
-    Field("prompt_length", "int", 256, "data.max_prompt_length (the planner's input)"),
-    Field("response_length", "int", 256, "data.max_response_length (the planner's input)"),
+    Field("prompt_length", "int", recipe.DEFAULT_PROMPT_LENGTH, "data.max_prompt_length (the planner's input; its default is oldgpu plan's)"),  # noqa: E501
+    Field("response_length", "int", recipe.DEFAULT_RESPONSE_LENGTH, "data.max_response_length (the planner's input)"),  # noqa: E501
     Field("train_batch_size", "int", 0, "a train batch to plan for (0: the planner chooses)"),
     Field("algorithm", "str", recipe.DEFAULT_ALGORITHM, "advantage estimator: " + ", ".join(recipe.ALGORITHMS) + " (only gae trains a critic)"),  # noqa: E501
-    Field("rollout_n", "int", 1, "responses sampled per prompt (grpo, rloo: at least 2)"),
+    Field("rollout_n", "int", recipe.DEFAULT_ROLLOUT_N, "responses sampled per prompt (grpo, rloo, reinforce_plus_plus_baseline: at least 2)"),  # noqa: E501
     Field("kl_loss_coef", "float", 0.001, "KL-to-reference loss; on for the critic-free algorithms (0: off)"),  # noqa: E501
     Field("lora_rank", "int", 0, "LoRA adapters of this rank on the actor (0: full fine-tuning)"),
     Field("lora_alpha", "int", 0, "LoRA alpha (0: twice lora_rank)"),
     Field("lora_target_modules", "list", [], "modules LoRA adapts, e.g. [q_proj, v_proj] (empty: all-linear)"),  # noqa: E501
+    Field("base_dtype", "str", recipe.DEFAULT_BASE_DTYPE, "how LoRA stores the frozen base, computed in fp32 either way: " + ", ".join(recipe.BASE_DTYPES) + " (auto: fp32 if it fits, else bf16)"),  # noqa: E501
     Field("profile", "str", "", "a profile to use instead of the detected one (cpu, pascal, ...)"),
     Field("rollout", "str", "", "hf or vllm instead of the profile's rollout (empty: the profile's)"),  # noqa: E501
     Field("compute_dtype", "str", "", "fp32 instead of the profile's dtype (empty: the profile's)"),
-    Field("verl_version", "str", "", "the verl release to run (empty: the default, pins' verl.version; oldgpu job fields lists them)"),  # noqa: E501
+    Field("verl_version", "str", "", "the verl release to run (empty: the default, pins' verl.version; oldgpu job fields lists the choices)"),  # noqa: E501
     Field("overrides", "list", [], "extra Hydra overrides, applied last"),
     Field("cluster", "str", "", "run on this Ray cluster (ray_cluster_name) instead of a private Ray on this host"),  # noqa: E501
     Field("cluster_address", "str", "", "the cluster head's host:port (the verl_jobs role fills it in)"),  # noqa: E501
@@ -86,6 +92,28 @@ FIELDS: tuple[Field, ...] = (
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # ``enabled`` is systemd's business (the unit's enablement), not the job's env.
 ENV_FIELDS = tuple(f for f in FIELDS if f.name != "enabled")
+
+
+def choices(field: Field) -> list[str] | None:
+    """The values a str setting may take (``oldgpu job fields`` lists them); None: any."""
+    if field.name == "verl_version":
+        return list(verl_release.releases())
+    if field.name == "algorithm":
+        return list(recipe.ALGORITHMS)
+    if field.name == "rollout":
+        return list(profile.ROLLOUTS)
+    if field.name == "compute_dtype":
+        return list(COMPUTE_DTYPES)
+    if field.name == "profile":
+        return sorted(profile.PROFILES)
+    return None
+
+
+COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
+# Keys a front-end's job carries beside the fields, never written to the env file: the
+# verl_jobs role writes ``secrets`` (variable -> value) to <name>.secrets.env itself.
+FRONTEND_KEYS = ("secrets",)
+SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def invalid(message: str) -> EngineError:
@@ -132,6 +160,7 @@ class Job:
     cluster: str = ""
     cluster_address: str = ""
     cluster_nodes: int = 0
+    base_dtype: str = "auto"
 
     # Where its state lives: systemd's StateDirectory= (STATE_DIRECTORY), else the default.
     def state_dir(self, environ: Mapping[str, str] | None = None) -> Path:
@@ -154,9 +183,10 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
     """A job from inventory-style values (``name``, ``model_path``, ...), validated."""
     if not isinstance(values, Mapping):
         raise invalid(f"a job is a JSON object of settings, not {type(values).__name__}")
-    unknown = sorted(set(values) - set(FIELD_BY_NAME))
+    unknown = sorted(set(values) - set(FIELD_BY_NAME) - set(FRONTEND_KEYS))
     if unknown:
-        raise invalid(f"unknown job settings: {', '.join(unknown)}")
+        raise invalid(f"unknown job settings: {', '.join(_with_hint(k) for k in unknown)}")
+    _check_secrets(values.get("secrets"))
     out: dict[str, Any] = {}
     for field in ENV_FIELDS:
         value = values.get(field.name, field.default)
@@ -189,13 +219,6 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             _check_value(field, value)
             if field.kind == "path" and value and not value.startswith("/"):
                 raise invalid(f"{field.name}: {value!r} is not an absolute path")
-            if field.kind == "path" and _under(value, PROTECTED_HOME):
-                raise EngineError(
-                    "job-path-protected",
-                    f"{field.name}: {value!r} is under {', '.join(PROTECTED_HOME)}, which the "
-                    "unit cannot read (ProtectHome=); move it, e.g. under /var/lib/verl or /srv",
-                    code=CONFIG_INVALID,
-                )
         out[field.name] = value
     if not NAME_RE.match(out["name"]):
         raise invalid(
@@ -221,7 +244,7 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
         raise invalid(
             f"verl_version: {out['verl_version']!r} is not one of {list(verl_release.releases())}"
         )
-    if out["compute_dtype"] not in ("", "fp32", "fp16", "bf16"):
+    if out["compute_dtype"] not in ("", *COMPUTE_DTYPES):
         raise invalid(f"compute_dtype: {out['compute_dtype']!r} is not fp32, fp16 or bf16")
     if out["profile"]:
         try:  # what `job command` resolves; refused here so a unit never starts with it
@@ -231,11 +254,50 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
             profile.with_choices(prof, out["rollout"], out["compute_dtype"])
         except EngineError as exc:
             raise invalid(f"profile: {exc.message}") from None
+    # What the release cannot run, where the job alone says it (a cluster; vLLM, named or
+    # the forced profile's), refused here rather than when the unit starts.
+    rollout = out["rollout"] or None
+    if out["profile"] and rollout is None:
+        rollout = profile.profile_for_arch(*profile_name(out["profile"]))["rollout"]
+    try:
+        version = out["verl_version"] or verl_release.default()
+        verl_release.check_settings(version, rollout, out["cluster"])
+        verl_release.plan_base_dtype(version, out["base_dtype"])
+    except EngineError as exc:
+        raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
     _check_cluster(out)
     _resolve_assets(out)
     for problem in recipe.problems(out):
         raise invalid(problem)
     return Job(**out)
+
+
+def _with_hint(key: str) -> str:
+    """An unknown setting, with the field it is closest to (``rollout_nn``: rollout_n)."""
+    close = difflib.get_close_matches(str(key), [*FIELD_BY_NAME, *FRONTEND_KEYS], n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else str(key)
+
+
+def _check_secrets(secrets: Any) -> None:
+    """The role's ``secrets``: environment variable names to values an env file can hold.
+    Checked, never rendered (the message names no value)."""
+    if secrets is None:
+        return
+    if not isinstance(secrets, Mapping):
+        raise invalid("secrets: a mapping of environment variable names to values")
+    for key, value in secrets.items():
+        if not isinstance(key, str) or not SECRET_NAME_RE.match(key):
+            raise EngineError(
+                "job-secrets-invalid",
+                f"secrets: {key!r} is not an environment variable name",
+                code=CONFIG_INVALID,
+            )
+        if not isinstance(value, str | int | float) or any(c in str(value) for c in "'\n\r"):
+            raise EngineError(
+                "job-secrets-invalid",
+                f"secrets: the value of {key} holds a quote or a newline, or is not a string",
+                code=CONFIG_INVALID,
+            )
 
 
 CLUSTER_ADDRESS_RE = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
@@ -291,13 +353,16 @@ def _resolve_assets(out: dict[str, Any]) -> None:
             out[key] = path
 
 
-# systemd's ProtectHome= hides these from the unit (the job's model and data must not be there).
-PROTECTED_HOME = ("/home", "/root", "/run/user")
+# systemd's ProtectHome= hides these from the unit (unit.py reads what the unit hides).
+PROTECTED_HOME = unit.HOME_DIRS
 
 
-def _under(path: str, roots: Sequence[str]) -> bool:
-    normal = os.path.normpath(path)
-    return any(normal == root or normal.startswith(root + "/") for root in roots)
+def check_for_unit(job: Job) -> None:
+    """What a job's unit would refuse at its start, knowable from the job alone: a model or
+    data path its sandbox hides (``oldgpu job env``, where a unit's env file is made)."""
+    given = {f.name: getattr(job, f.name) for f in ENV_FIELDS if f.kind == "path"}
+    for problem in unit.unit_path_problems(given):
+        raise EngineError("job-path-protected", problem, code=CONFIG_INVALID)
 
 
 def _integer(field: Field, value: Any) -> int:

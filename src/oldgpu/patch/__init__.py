@@ -25,8 +25,10 @@ How it works:
   new one, byte for byte.
 
 Where each part lives: ``options.py`` (what a run is for), ``sitepatch.py`` (what a
-patch is), ``registry.py`` (which patches a version gets: the ``verl_<x>_<y>_<z>*.py``
-modules, found by name), ``compat_module.py`` (the module added to the tree),
+patch is), ``registry.py`` (which patches a version gets: one package per release,
+``verl_<x>_<y>_<z>/``, its ``base`` set and the sets that join for some options, found
+by name), ``runtime/`` (the modules dropped into verl's tree), ``compat_module.py``
+(renders them as the one module added to the tree),
 ``manifest.py`` (the tree's records), ``plans.py`` (the new bytes, verified),
 ``transaction.py`` (writing them all or nothing) and ``cli.py``.
 """

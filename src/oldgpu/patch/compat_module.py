@@ -1,7 +1,8 @@
 """The compat module oldgpu adds to the tree (``verl/utils/oldgpu_compat.py``): its name,
 its rendering with the profile's values baked in, and the import that patched files need.
-Its source is ``compat.py`` beside this file with ``compat_logits.py`` (and
-``compat_cpu.py`` for cpu trees, ``compat_fp16.py`` for fp16 ones)."""
+Its source is ``runtime/compat.py`` with ``runtime/compat_logits.py`` and
+``runtime/compat_base16.py`` (and ``compat_cpu.py`` for cpu trees, ``compat_fp16.py`` for
+fp16 ones)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ COMPAT_IMPORT = "from verl.utils import oldgpu_compat"
 
 
 def compat_source() -> str:
-    return (resources.files("oldgpu.patch") / "compat.py").read_text(encoding="utf-8")
+    return (resources.files("oldgpu.patch.runtime") / "compat.py").read_text(encoding="utf-8")
 
 
 def compat_exports() -> set[str]:
@@ -52,14 +53,17 @@ def render_compat(options: Options) -> bytes:
     if baked:
         raise RuntimeError(f"compat.py lacks {sorted(baked)}")
     rendered = apply_edits(data, edits)
-    # the logits patch set's helpers (verl_0_5_0_logits.py), for every tree
-    logits = (resources.files("oldgpu.patch") / "compat_logits.py").read_bytes()
+    # the logits patch set's helpers (verl_0_5_0/logits.py), for every tree
+    logits = (resources.files("oldgpu.patch.runtime") / "compat_logits.py").read_bytes()
     rendered = rendered.rstrip(b"\n") + b"\n\n\n" + logits
+    # a LoRA actor's 16-bit base (verl_0_5_0/base16.py), for every tree
+    base16 = (resources.files("oldgpu.patch.runtime") / "compat_base16.py").read_bytes()
+    rendered = rendered.rstrip(b"\n") + b"\n\n\n" + base16
     if options.device == "cpu":  # the cpu patch set's helpers, for cpu trees only
-        cpu = (resources.files("oldgpu.patch") / "compat_cpu.py").read_bytes()
+        cpu = (resources.files("oldgpu.patch.runtime") / "compat_cpu.py").read_bytes()
         rendered = rendered.rstrip(b"\n") + b"\n\n\n" + cpu
     if options.compute_dtype == "fp16":  # the fp16 patch set's loss scaler
-        fp16 = (resources.files("oldgpu.patch") / "compat_fp16.py").read_bytes()
+        fp16 = (resources.files("oldgpu.patch.runtime") / "compat_fp16.py").read_bytes()
         rendered = rendered.rstrip(b"\n") + b"\n\n\n" + fp16
     return rendered
 

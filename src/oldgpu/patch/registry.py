@@ -1,10 +1,12 @@
 """Which patches a verl version gets, found without a hand-kept list.
 
-A version's patch set is a module of this package named ``verl_<x>_<y>_<z>.py``, or
-``verl_<x>_<y>_<z>_<what>.py`` for a set that joins only for some options (the cpu
-set); it exports ``PATCHES``, a tuple of ``Patch``, and each patch's ``versions`` says
-which verl versions it is for (so one module may serve several). Adding a file is all
-it takes: modules are read in name order, so a base set comes before its additions.
+Each verl release has a package of its own here, ``verl_<x>_<y>_<z>/``: its module
+``base`` holds the set every profile gets, and each other module a set that joins only
+for some options (``cpu``, ``fp16``, ``logits``). Every module exports ``PATCHES``, a
+tuple of ``Patch``, and each patch's ``versions`` says which verl versions it is for (so
+one module may serve several). Adding a file is all it takes: a package's ``base`` is
+read first, then its other modules in name order, packages in version order. The
+runtime modules the patches drop into verl's tree live apart, in ``runtime/``.
 """
 
 from __future__ import annotations
@@ -18,17 +20,28 @@ from oldgpu.output import EngineError
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import Patch
 
-PATCH_SET_MODULE = re.compile(r"verl_\d+_\d+_\d+(_\w+)?")
+RELEASE_PACKAGE = re.compile(r"verl_(\d+)_(\d+)_(\d+)")
+BASE_SET = "base"
 
 
 def patch_set_modules() -> list[str]:
-    """The patch set modules of this package, by name."""
+    """The patch set modules of every release package, each package's base first."""
     package = importlib.import_module(__package__)
-    return sorted(
-        f"{__package__}.{info.name}"
+    releases = sorted(
+        (tuple(int(n) for n in match.groups()), info.name)
         for info in pkgutil.iter_modules(package.__path__)
-        if PATCH_SET_MODULE.fullmatch(info.name)
+        if info.ispkg and (match := RELEASE_PACKAGE.fullmatch(info.name))
     )
+    found: list[str] = []
+    for _, name in releases:
+        release = importlib.import_module(f"{__package__}.{name}")
+        sets = sorted(
+            (info.name != BASE_SET, info.name)
+            for info in pkgutil.iter_modules(release.__path__)
+            if not info.ispkg and not info.name.startswith("_")
+        )
+        found.extend(f"{__package__}.{name}.{module}" for _, module in sets)
+    return found
 
 
 @functools.cache

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from oldgpu import detect, profile, subcommand
+from oldgpu import detect, profile, subcommand, verl_release
 from oldgpu.output import EngineError, Result
 from oldgpu.plan import recipes
 from oldgpu.plan.explain import largest_payload, largest_text, payload, text
@@ -22,20 +22,37 @@ from oldgpu.plan.search import (
     largest,
     plan,
 )
+from oldgpu.plan.spelling import PLAN
 
 DEFAULT_FAMILY = "qwen2.5"
 
 
 def _profile_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
-    """The profile and, when detected, the GPUs it came from."""
+    """The profile and the GPUs whose memory the plan is for: detected (or read from
+    --nvidia-smi-file), also under a forced profile unless --gpu-mib gives the memory."""
+    forced = None
     if args.profile:
         arch, _, cc = args.profile.partition("-")
-        return profile.profile_for_arch(arch, cc or None), []
-    if args.arch:
-        return profile.profile_for_arch(args.arch), []
-    if args.cc:
-        return profile.profile_for_cc(args.cc), []
+        forced = profile.profile_for_arch(arch, cc or None)
+    elif args.arch:
+        forced = profile.profile_for_arch(args.arch)
+    elif args.cc:
+        forced = profile.profile_for_cc(args.cc)
+    if forced is not None:
+        if forced["device"] == "cpu" or args.gpu_mib is not None:
+            return forced, []
+        gpus = detect.detect_from_args(args)["gpus"]
+        return forced, gpus
     gpus = detect.detect_from_args(args)["gpus"]
+    if not gpus:
+        # A controller has no GPU: planning for its CPU would be a silent wrong answer.
+        raise EngineError(
+            "plan-no-gpu",
+            "no NVIDIA GPU detected here (nvidia-smi"
+            + (f" file {args.nvidia_smi_file}" if args.nvidia_smi_file else "")
+            + "); to plan for a GPU host pass --profile NAME (or --arch/--cc) with --gpu-mib N, "
+            "or --nvidia-smi-file FILE recorded on it; to plan for this CPU pass --profile cpu",
+        )
     return profile.profile_for_gpus(gpus), gpus
 
 
@@ -51,14 +68,27 @@ def _host_available_mib() -> int | None:
 
 def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe's Inputs fields; the algorithm decides the critic unless --critic says."""
-    critic = args.critic
-    if args.algorithm is not None and critic is None:
-        critic = recipes.uses_critic(args.algorithm)
     modules: tuple[str, ...] = ()
     if args.lora_target_modules is not None:
         modules = tuple(m.strip() for m in args.lora_target_modules.split(",") if m.strip())
         if not modules:
             raise EngineError("plan-bad-input", "--lora-target-modules names no module")
+    if args.algorithm is not None:
+        # The job's rules, from the same function: a plan a job would refuse is refused.
+        values = {
+            "algorithm": args.algorithm,
+            "rollout_n": args.rollout_n,
+            "lora_rank": args.lora_rank,
+            "lora_alpha": args.lora_alpha,
+            "lora_target_modules": modules,
+            "base_dtype": args.base_dtype,
+        }
+        for problem in recipes.setting_problems(values, PLAN):
+            unknown = args.algorithm not in recipes.ALGORITHMS
+            raise EngineError("plan-algorithm-unknown" if unknown else "plan-bad-input", problem)
+    critic = args.critic
+    if args.algorithm is not None and critic is None:
+        critic = recipes.uses_critic(args.algorithm)
     return {
         "algorithm": args.algorithm,
         "critic": True if critic is None else critic,
@@ -66,7 +96,24 @@ def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha,
         "lora_target_modules": modules,
+        # auto stays fp32 without LoRA; fp32 unless asked: a 16-bit base needs LoRA
+        "base_dtype": args.base_dtype if args.lora_rank or args.base_dtype != "auto" else "fp32",
     }
+
+
+def _gpu_count(given: str, prof: dict[str, Any], gpus: list[Any]) -> int:
+    """``--gpus``: N, or ``all`` (a job's default): the detected cards of the profile, one
+    when none was detected (``--gpu-mib`` names one card's memory) or on the cpu profile."""
+    if given != "all":
+        try:
+            return int(given)
+        except ValueError:
+            raise EngineError(
+                "plan-bad-input", f"--gpus must be a positive integer or all, not {given!r}"
+            ) from None
+    if prof["device"] == "cpu":
+        return 1
+    return max(1, len([g for g in gpus if g.get("architecture") in prof["architectures"]]))
 
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
@@ -78,14 +125,18 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         raise EngineError("plan-bad-input", "--family only goes with --largest")
     recipe = _recipe_from_args(args)
     prof, gpus = _profile_from_args(args)
+    # the profile's cards (a mixed host's others are not the job's: oldgpu.devices)
+    gpus = [g for g in gpus if g.get("architecture") in prof["architectures"]] or gpus
+    version = args.verl_version or verl_release.default()
+    if version not in verl_release.releases():
+        raise EngineError(
+            "verl-version-unknown",
+            f"--verl-version {version!r} is not one of {', '.join(verl_release.releases())}",
+        )
+    verl_release.check_job(version, prof, "")  # what a job of that release would refuse
+    recipe["base_dtype"] = verl_release.plan_base_dtype(version, recipe["base_dtype"])
     device = prof["device"]
     if device == "cpu":
-        if args.gpu_mib is not None and not (args.profile or args.arch or args.cc):
-            raise EngineError(
-                "plan-profile-unknown",
-                "no GPU detected; pass --arch/--cc/--profile for the GPU you plan for, or "
-                "--profile cpu with --host-mib",
-            )
         memory = args.host_mib or _host_available_mib()
         if not memory:
             raise EngineError("plan-memory-unknown", "the cpu profile needs --host-mib N")
@@ -94,9 +145,11 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         if memory is None:
             sizes = [g.get("memory_mib") for g in gpus]
             if not sizes or not all(sizes):
+                where = f"in {args.nvidia_smi_file}" if args.nvidia_smi_file else "detected"
                 raise EngineError(
                     "plan-memory-unknown",
-                    "cannot tell the GPU's memory; pass --gpu-mib N (the smallest GPU's)",
+                    f"cannot tell the GPU's memory (no GPU with a memory size {where}); pass "
+                    "--gpu-mib N (the smallest GPU's) or --nvidia-smi-file FILE",
                 )
             memory = min(sizes)
     if args.model:
@@ -106,7 +159,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         shape = SHAPES[name]
     return Inputs(
         memory_mib=int(memory),
-        gpus=args.gpus,
+        gpus=_gpu_count(args.gpus, prof, gpus),
         shape=shape,
         prompt_length=args.prompt_length,
         response_length=args.response_length,
@@ -120,6 +173,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         ppo_mini_batches=args.ppo_mini_batches,
         model_name=name,
         profile_name=prof["name"],
+        **verl_release.plan_fields(version),
         **recipe,
     )
 
@@ -149,7 +203,13 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     mem = parser.add_argument_group("memory")
     mem.add_argument("--gpu-mib", type=int, metavar="N", help="one GPU's memory (default: detect)")
     mem.add_argument("--host-mib", type=int, metavar="N", help="host memory budget (cpu profile)")
-    mem.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs per node (default 1)")
+    mem.add_argument(
+        "--gpus",
+        default="all",
+        metavar="N",
+        help="GPUs per node: N, or all (default, as a job's gpus: the detected cards of the "
+        "profile; 1 when none is detected)",
+    )
     mem.add_argument(
         "--headroom-mib",
         type=int,
@@ -162,8 +222,27 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model-shape", choices=sorted(SHAPES), help="a built-in shape (default qwen2.5-0.5b)"
     )
-    parser.add_argument("--prompt-length", type=int, default=512, metavar="N")
-    parser.add_argument("--response-length", type=int, default=256, metavar="N")
+    # A job's defaults (plan/recipes.py holds both).
+    parser.add_argument(
+        "--prompt-length",
+        type=int,
+        default=recipes.DEFAULT_PROMPT_LENGTH,
+        metavar="N",
+        help=f"data.max_prompt_length (default {recipes.DEFAULT_PROMPT_LENGTH}, as a job's)",
+    )
+    parser.add_argument(
+        "--response-length",
+        type=int,
+        default=recipes.DEFAULT_RESPONSE_LENGTH,
+        metavar="N",
+        help=f"data.max_response_length (default {recipes.DEFAULT_RESPONSE_LENGTH})",
+    )
+    parser.add_argument(
+        "--verl-version",
+        metavar="V",
+        help="the verl release the job runs, as a job's verl_version: "
+        f"{', '.join(verl_release.releases())} (default {verl_release.default()})",
+    )
     prof = parser.add_mutually_exclusive_group()
     prof.add_argument("--profile", metavar="NAME", help="a profile name: pascal, pascal-6.1, cpu")
     prof.add_argument("--arch", choices=sorted(profile.PROFILES))
@@ -184,14 +263,30 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     recipe.add_argument(
         "--algorithm",
         metavar="NAME",
-        help="verl's algorithm.adv_estimator: " + ", ".join(recipes.ESTIMATORS),
+        help="verl's algorithm.adv_estimator, as a job's algorithm: "
+        + ", ".join(recipes.ALGORITHMS),
     )
-    recipe.add_argument("--rollout-n", type=int, default=1, metavar="N", help="responses/prompt")
+    recipe.add_argument(
+        "--rollout-n",
+        type=int,
+        default=recipes.DEFAULT_ROLLOUT_N,
+        metavar="N",
+        help=f"responses per prompt (default {recipes.DEFAULT_ROLLOUT_N}; "
+        + ", ".join(a.name for a in recipes.ALGORITHMS.values() if a.min_rollout_n > 1)
+        + ": at least 2)",
+    )
     recipe.add_argument(
         "--lora-rank", type=int, default=0, metavar="R", help="LoRA on the actor (0: off)"
     )
     recipe.add_argument(
         "--lora-alpha", type=int, default=0, metavar="A", help="LoRA alpha (0: twice the rank)"
+    )
+    recipe.add_argument(
+        "--base-dtype",
+        choices=recipes.BASE_DTYPES,
+        default=recipes.DEFAULT_BASE_DTYPE,
+        help="how LoRA stores the frozen base: computed in fp32 either way (default auto: "
+        "fp32 if it fits, else bf16)",
     )
     recipe.add_argument(
         "--lora-target-modules",

@@ -15,6 +15,7 @@ from oldgpu.plan.memory import (
     VLLM_CUDA_GRAPH_MIB,
     PhaseEstimate,
     estimate_phase,
+    generate_kv,
     param_offload_frees,
     per_gpu_batch,
     reserve_factor,
@@ -31,6 +32,12 @@ from oldgpu.plan.search import (
     cap_mib,
     offload_levels,
 )
+from oldgpu.plan.spelling import NO_REF, setting, switch
+from oldgpu.plan.spelling import name as spell
+
+# verl 0.5.0 loads the actor at this dtype (fsdp_workers.py) and FSDP's MixedPrecision
+# (param_dtype fp32, the profile's) upcasts a unit at a time: a LoRA base at 16 bits.
+BASE_DTYPE_KEY = "+actor_rollout_ref.actor.fsdp_config.model_dtype"
 
 
 def _b(value: bool) -> str:
@@ -38,7 +45,8 @@ def _b(value: bool) -> str:
 
 
 def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstimate]) -> list[str]:
-    """verl 0.5.0 keys, all present in its ppo_trainer config (no ``+``; a test composes them)."""
+    """verl 0.5.0 keys, all present in its ppo_trainer config (no ``+``; a test composes
+    them), but BASE_DTYPE_KEY for a 16-bit base."""
     off, gc = choice.offload, _b(choice.gradient_checkpointing)
     out = [
         f"data.train_batch_size={choice.train_batch_size}",
@@ -70,6 +78,8 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
     if inp.rollout_n != 1:
         out.append(f"actor_rollout_ref.rollout.n={inp.rollout_n}")
     out += recipe_overrides(inp)
+    if inp.base16:  # the one key 0.5.0's config lacks (verl reads it with .get)
+        out.append(f"{BASE_DTYPE_KEY}={inp.base_dtype}")
     if inp.rollout == "vllm":  # never for the HF rollout: these settings are vLLM's
         vllm = vllm_settings(inp, choice.train_batch_size, phases["generate"])
         out += [
@@ -78,6 +88,10 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
             f"actor_rollout_ref.rollout.max_num_batched_tokens={vllm['max_num_batched_tokens']}",
             f"actor_rollout_ref.rollout.enforce_eager={_b(vllm['enforce_eager'])}",
         ]
+    if inp.rollout_copy:
+        # The rollout server's max batch (min of this and its default): what the plan counted.
+        batch = memory.server_batch(inp, choice.train_batch_size)
+        out.append(f"actor_rollout_ref.rollout.max_num_seqs={batch}")
     if inp.device == "cuda":
         out.append(f"trainer.n_gpus_per_node={inp.gpus}")
     return out
@@ -112,14 +126,24 @@ def _recipe_reasons(found: Plan) -> dict[str, str]:
             f"the input: {inp.adapter_params / 1e6:.1f}M adapter parameters train "
             f"(gradients {upd.resident.get('actor_grads', 0):.0f} MiB, Adam "
             f"{upd.resident.get('actor_adam', 0):.0f} MiB); the {inp.shape.params() / 1e6:.0f}M "
-            f"base weights stay frozen in {inp.compute_dtype}, and the ref is the actor "
-            "without its adapters"
+            f"base weights stay frozen ({inp.base_dtype if inp.base16 else 'fp32'}, computed "
+            f"in {inp.compute_dtype}), and the ref is the actor without its adapters"
         )
         r["actor_rollout_ref.model.lora_alpha"] = (
-            "the input" if inp.lora_alpha else "twice the rank (no --lora-alpha)"
+            "the input"
+            if inp.lora_alpha
+            else f"twice the rank (no {spell(inp.interface, 'lora_alpha')})"
         )
         r["actor_rollout_ref.model.target_modules"] = (
             "the input" if inp.lora_target_modules else "every linear layer of the decoder"
+        )
+        upd = found.phases["actor_update"]
+        given = inp.base_dtype if inp.base16 else "fp32"
+        r[BASE_DTYPE_KEY] = (
+            f"the frozen base stored at {given} ({upd.resident.get('actor_weights', 0):.0f} MiB), "
+            f"computed in {inp.compute_dtype}: FSDP upcasts a unit at a time "
+            f"({upd.resident.get('actor_fp32_units', 0):.0f} MiB at once); "
+            + ("the input" if not inp.base_auto else "the fp32 base does not fit")
         )
     return r
 
@@ -136,16 +160,22 @@ def _reasons(found: Plan) -> dict[str, str]:
         return est.moments.get(moment, {}).get(key, 0.0)
 
     gen = ph["generate"]
-    kv = item(gen, "decode", "kv_cache")
+    kv, rows = generate_kv(inp, gen, c.train_batch_size)
     r: dict[str, str] = {}
+    held = f"{rows} x {inp.seq} tokens per GPU"
+    if inp.rollout_copy:  # the server queues the rest of the GPU's rollout batch
+        held = (
+            f"{rows} x {inp.seq} tokens, the rollout server's batch of the "
+            f"{per_gpu_batch(inp, c.train_batch_size)} sequences per GPU"
+        )
     batch_line = (
-        f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for "
-        f"{per_gpu_batch(inp, c.train_batch_size)} x {inp.seq} tokens per GPU)"
+        f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for {held})"
     )
     cands = batch_candidates(replace(inp, target_train_batch=None))
     nxt = next((b for b in cands if b > c.train_batch_size), None)
     if inp.target_train_batch:
-        r["data.train_batch_size"] = f"the --target-train-batch; {batch_line}"
+        given = spell(inp.interface, "target_train_batch")
+        r["data.train_batch_size"] = f"the {given}; {batch_line}"
     elif nxt is None:
         r["data.train_batch_size"] = f"the planner's ceiling ({MAX_TRAIN_BATCH}); {batch_line}"
     else:
@@ -279,6 +309,11 @@ def _reasons(found: Plan) -> dict[str, str]:
             "CUDA graphs are captured outside vLLM's share: eager unless "
             f"{VLLM_CUDA_GRAPH_MIB} MiB are free beside the generate phase"
         )
+    if inp.rollout_copy:
+        r["actor_rollout_ref.rollout.max_num_seqs"] = (
+            f"the rollout server's max batch, whose KV cache the generate phase counts "
+            f"({kv:.0f} MiB); it queues the rest of the GPU's rollout batch"
+        )
     r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
     r.update(_recipe_reasons(found))
     return r
@@ -288,14 +323,17 @@ def _notes(found: Plan) -> list[str]:
     inp = found.inputs
     notes = [
         "estimates are peak reserved memory as a GPU without memory pressure shows it "
-        f"(reserved = {reserve_factor(inp)} x allocated) plus the context; under "
+        f"(reserved = {reserve_factor(inp)} x allocated"
+        + (", the frozen LoRA base as allocated" if inp.lora and inp.device == "cuda" else "")
+        + ") plus the context; under "
         "pressure the allocator frees its cached blocks before failing, so runs near the "
         "cap usually need less than estimated",
     ]
     if inp.ref:
         notes.append(
             "verl builds the ref only with actor_rollout_ref.actor.use_kl_loss=True or "
-            "algorithm.use_kl_in_reward=True; without either, plan with --no-ref"
+            "algorithm.use_kl_in_reward=True; without either, plan with "
+            + switch(inp.interface, NO_REF)
         )
     if inp.algorithm is not None:
         notes += _recipe_notes(inp)
@@ -334,7 +372,8 @@ def _recipe_notes(inp: Inputs) -> list[str]:
     if inp.algorithm in recipes.GROUP_ESTIMATORS and inp.rollout_n < 2:
         notes.append(
             f"{inp.algorithm} compares the responses to one prompt: with rollout.n 1 "
-            "verl falls back to a zero baseline; use --rollout-n 2 or more"
+            f"verl falls back to a zero baseline; use {setting(inp.interface, 'rollout_n', 2)} "
+            "or more"
         )
     return notes
 
@@ -349,6 +388,7 @@ def _recipe_inputs(inp: Inputs) -> dict[str, Any]:
             "rank": inp.lora_rank,
             "alpha": inp.lora_alpha_value,
             "target_modules": list(inp.lora_target_modules) or [recipes.ALL_LINEAR],
+            "base_dtype": inp.base_dtype,
         }
     return out
 
@@ -474,6 +514,7 @@ def largest_payload(result: Largest) -> dict[str, Any]:
                 peak_mib=round(found.peak),
                 peak_phase=found.peak_phase,
                 offload=c.offload_level,
+                base_dtype=found.inputs.base_dtype if found.inputs.lora else None,
             )
         shapes.append(row)
     return {
@@ -512,6 +553,7 @@ def largest_text(doc: Mapping[str, Any]) -> str:
                 head + f"fits: batch {row['train_batch_size']} ({row['sequences_per_step']} "
                 f"sequences), peak {row['peak_mib']} MiB in {row['peak_phase']}, offload "
                 f"'{row['offload']}'"
+                + (f", base {row['base_dtype']}" if row.get("base_dtype") else "")
             )
         else:
             lines.append(head + "does not fit")

@@ -35,11 +35,18 @@ class Inputs:
     lora_rank: int = 0
     lora_alpha: int = 0  # 0: twice the rank
     lora_target_modules: tuple[str, ...] = ()  # empty: all-linear
+    # How the LoRA actor stores its frozen base: fp32, bf16 or fp16 (computed in the
+    # compute dtype either way); auto: the search picks fp32 if it fits, else bf16.
+    base_dtype: str = "fp32"
+    base_auto: bool = False  # the search chose base_dtype (it was auto)
     # The verl release (oldgpu.verl_release.plan_fields): its tree has the logits patch
     # set (response-logits, entropy-by-rows; 0.5.0's), and its rollout server holds a
     # copy of the weights of its own while it generates (0.9.0's oldgpu-hf).
     logits_patch: bool = True
     rollout_copy: bool = False
+    # Who asks (plan/spelling.py): ``plan`` (oldgpu plan's flags) or ``job`` (a job's
+    # settings); a refusal names what to change in the asker's own terms.
+    interface: str = "plan"
 
     @property
     def seq(self) -> int:
@@ -62,6 +69,11 @@ class Inputs:
     def trained_params(self) -> int:
         """What gets gradients and Adam state: the adapters only with LoRA."""
         return self.adapter_params if self.lora else self.shape.params()
+
+    @property
+    def base16(self) -> bool:
+        """The frozen base is stored at 16 bits (LoRA only: recipes.validate)."""
+        return self.lora and self.base_dtype in ("bf16", "fp16")
 
     @property
     def lora_alpha_value(self) -> int:

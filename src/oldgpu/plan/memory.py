@@ -89,10 +89,24 @@ RESERVE_FACTOR = {"cuda": 1.44, "cpu": 1.2}
 AUTOCAST_RESERVE_FACTOR = 1.38
 
 
+# LoRA on CUDA: the frozen base is allocated once and reserved as it is (PhaseEstimate's
+# ``frozen``); this factor is for the rest (adapters, their gradients and Adam, the
+# activations, logits and KV cache). Three GRPO + LoRA runs under the P40 guard reserved
+# 17.58, 17.47 and 16.00 GiB (0.5B, 1.5B, 3B shapes) where the planner allocated 14.49,
+# 14.89 and 14.85 GiB, of them 1.84, 5.74 and 11.50 GiB fp32 base: the rest reserved
+# 1.244, 1.282 and 1.343 x its planned size (the measured reserved / allocated of the whole
+# was 1.06-1.08; the planner's allocation was short for the two smaller ones). 1.37 covers
+# the worst with a margin of 2% (bench/results/2026-12-03-h200 calls 3-4,
+# 2026-12-06-h100 call 4; docs/planner.md).
+LORA_RESERVE_FACTOR = 1.37
+
+
 def reserve_factor(inp: Inputs) -> float:
     """Reserved / allocated at the peak for the run's device and compute dtype."""
     if inp.device == "cuda" and inp.compute_dtype == "fp16":
         return AUTOCAST_RESERVE_FACTOR
+    if inp.device == "cuda" and inp.lora:
+        return LORA_RESERVE_FACTOR
     return RESERVE_FACTOR[inp.device]
 
 
@@ -203,6 +217,8 @@ VLLM_BATCHED_TOKENS = 8192
 # phase counts. Not calibrated: the one 0.5B run (H100, GRPO batch 32 x 4,
 # bench/results/2026-12-06-h100/call6) peaked at 24,667 MiB device-wide for the trainer and
 # the server together, and its split between them was not recorded (docs/benchmarks.md).
+# The plan sets rollout.max_num_seqs to the batch it counted (``server_batch``): the server
+# takes min(max_num_seqs, its default) as its max batch, so it holds no more than planned.
 ROLLOUT_SERVER_BATCH = 64
 
 PHASES = (
@@ -233,6 +249,9 @@ class PhaseEstimate:
     common: dict[str, float] = field(default_factory=dict)
     context: float = 0.0
     reserve_factor: float = 1.0
+    # Of ``resident``, what is allocated once and never freed (a LoRA actor's frozen base):
+    # the allocator reserves it as it is, so the factor applies to the rest only.
+    frozen: float = 0.0
 
     @property
     def peak_moment(self) -> str:
@@ -249,7 +268,7 @@ class PhaseEstimate:
 
     @property
     def reserved(self) -> float:
-        return self.reserve_factor * self.allocated
+        return self.frozen + self.reserve_factor * (self.allocated - self.frozen)
 
     @property
     def peak(self) -> float:
@@ -299,6 +318,22 @@ def per_gpu_batch(inp: Inputs, train_batch: int) -> int:
     return max(1, math.ceil(train_batch * inp.rollout_n / inp.gpus))
 
 
+def server_batch(inp: Inputs, train_batch: int) -> int:
+    """Sequences the rollout server generates at once, whose KV cache it holds: the GPU's
+    rollout batch, at most its max batch (``ROLLOUT_SERVER_BATCH``); it queues the rest."""
+    return min(per_gpu_batch(inp, train_batch), ROLLOUT_SERVER_BATCH)
+
+
+def generate_kv(inp: Inputs, phase: PhaseEstimate, train_batch: int) -> tuple[float, int]:
+    """The generate phase's KV cache in MiB at the end of decoding, and the sequences it
+    holds at once: the trainer's HF generate or vLLM (the GPU's whole rollout batch), or
+    the rollout server (its batch)."""
+    decode = phase.moments.get("decode", {})
+    if inp.rollout_copy:
+        return decode.get("rollout_server_kv_cache", 0.0), server_batch(inp, train_batch)
+    return decode.get("kv_cache", 0.0), per_gpu_batch(inp, train_batch)
+
+
 def param_offload_frees(inp: Inputs) -> bool:
     return inp.device == "cuda" and (inp.gpus > 1 or PARAM_OFFLOAD_FREES_ON_ONE_GPU)
 
@@ -312,6 +347,16 @@ def unit_params(s: ModelShape, per_layer_extra: int = 0, lm_head: bool = True) -
     untied = lm_head and not s.tie_word_embeddings
     root = s.embedding_params() * (2 if untied else 1)
     return root + 2 * (s.layer_params() + per_layer_extra)
+
+
+# A base stored at 16 bits: bf16 or fp16, 2 bytes a weight.
+BASE16_BYTES = 2
+
+
+def base16_units(s: ModelShape) -> int:
+    """The weights a 16-bit base holds upcast at once: two decoder layers (the one
+    computing, the one prefetched), or its embeddings' unit or an untied lm_head's."""
+    return max(2 * s.layer_params(), s.embedding_params())
 
 
 def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
@@ -352,8 +397,12 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     critic_phase = phase in ("critic_values", "critic_update")
 
     res: dict[str, float] = {}
+    # A 16-bit base (base_dtype): the frozen weights at 2 bytes, the adapters at master.
+    actor_bytes = (
+        s.params() * BASE16_BYTES + inp.adapter_params * p.master if inp.base16 else pa * p.master
+    )
     if actor_phase or not (off.actor_param and frees):
-        res["actor_weights"] = _mib(pa * p.master / n)
+        res["actor_weights"] = _mib(actor_bytes / n)
     if phase == "actor_update" or not (off.actor_optimizer and cuda):
         res["actor_adam"] = _mib(pt * p.adam / n)
     if inp.critic:
@@ -375,6 +424,11 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
             res["actor_unsharded_units"] = _mib(unit_params(s, per_layer) * unshard)
         else:  # the HF rollout's actor is ONE unit: all of it
             res["actor_unsharded_weights"] = _mib(pa * unshard)
+    if actor_phase and inp.base16:
+        # FSDP's MixedPrecision upcasts the unit computing (and the one prefetched in the
+        # backward) to fp32 and frees it after: two layers, or the embeddings' or the
+        # lm_head's own unit (verl_0_5_0/base16.py), whichever is larger.
+        res["actor_fp32_units"] = _mib(base16_units(s) * cb)
     if critic_phase and (n > 1 or mixed):
         res["critic_unsharded_units"] = _mib(unit_params(s, lm_head=False) * cb)
     if phase == "actor_update":
@@ -475,13 +529,16 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     context = CUDA_CONTEXT_MIB if cuda else HOST_PROCESS_MIB
     if inp.rollout_copy and cuda:
         context += CUDA_CONTEXT_MIB  # the server's own
-    return PhaseEstimate(res, moments, common, context, reserve_factor(inp))
+    frozen = 0.0
+    if lora and cuda and "actor_weights" in res:
+        frozen = _mib(s.params() * (BASE16_BYTES if inp.base16 else p.master) / n)
+    return PhaseEstimate(res, moments, common, context, reserve_factor(inp), frozen)
 
 
 def _rollout_server(inp: Inputs, batch: int) -> dict[str, float]:
     """The rollout server's generate footprint: its weights, KV cache and sampling."""
     s, cb = inp.shape, inp.precision.compute
-    rows = min(batch, ROLLOUT_SERVER_BATCH)
+    rows = min(batch, ROLLOUT_SERVER_BATCH)  # server_batch's
     kv_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.dim * cb
     return {
         "rollout_server_weights": _mib(s.params() * cb),

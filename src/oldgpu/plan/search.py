@@ -3,8 +3,11 @@
 The largest ``train_batch_size`` (throughput grows about linearly
 with the rollout batch while generation dominates the step) whose every phase
 stays at or under the cap; at that batch the least offload (none, critic
-optimizer, both optimizers, critic params, actor params), gradient
-checkpointing on (cheap next to generation), then the largest micro batches.
+optimizer, both optimizers, critic params, actor params), the largest micro batches
+with gradient checkpointing, and then checkpointing off where those micro batches
+still fit without it (its recompute is about a sixth of an update's math, which a P40's
+fp32 rate makes the step's largest part). A LoRA job's ``base_dtype`` auto is fp32
+when that plan fits and bf16 (the frozen base at 16 bits) when only that one does.
 Batch sizes divide as verl asserts: ``train_batch_size`` is a multiple of
 ``ppo_mini_batch_size``, itself a multiple of micro batch x GPUs.
 """
@@ -20,6 +23,8 @@ from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs, Offload
 from oldgpu.plan.memory import PhaseEstimate, estimate, estimate_phase, per_gpu_batch
 from oldgpu.plan.model import FAMILIES, PRECISIONS, SHAPES
+from oldgpu.plan.spelling import NO_CRITIC, NO_REF, setting, switch
+from oldgpu.plan.spelling import name as spell
 
 # The cap the peak must stay at or under: min(memory - CAP_MARGIN_MIB, CAP_FRACTION *
 # memory), i.e. 22 GiB on a 24 GiB card. --headroom-mib N makes it memory - N.
@@ -173,22 +178,43 @@ def _choose_at(inp: Inputs, batch: int, level: str, off: Offload) -> Choice | No
         return None
     unit = max(m_a, m_c) * n
     mini = _mini_batch(batch, unit, inp.ppo_mini_batches)
-    return replace(
+    chosen = replace(
         probe,
         ppo_mini_batch_size=mini,
         actor_micro=m_a,
         critic_micro=m_c,
         log_prob_micro=m_lp,
     )
+    # Only the updates keep activations for a backward: checkpointing off where they fit.
+    no_recompute = replace(chosen, gradient_checkpointing=False)
+    if _fits(inp, no_recompute, ("actor_update", "critic_update")):
+        return no_recompute
+    return chosen
+
+
+def base_dtypes(inp: Inputs) -> tuple[str, ...]:
+    """The base dtypes to try, in order: auto is fp32, then bf16 with LoRA."""
+    if inp.base_dtype != "auto":
+        return (inp.base_dtype,)
+    return ("fp32", "bf16") if inp.lora else ("fp32",)
 
 
 def search(inp: Inputs) -> Plan | None:
     """The largest batch that fits; at that batch the least offload, then the largest micros.
 
     Each offload level's feasible batches only grow with memory, so the batch chosen
-    never shrinks when memory grows.
+    never shrinks when memory grows. ``base_dtype`` auto: the first of base_dtypes that
+    fits (the plan's inputs then name it).
     """
     validate(inp)
+    for base in base_dtypes(inp):
+        found = _search(replace(inp, base_dtype=base, base_auto=inp.base_dtype == "auto"))
+        if found is not None:
+            return found
+    return None
+
+
+def _search(inp: Inputs) -> Plan | None:
     candidates = batch_candidates(inp)
     largest: dict[str, int | None] = {}
     best: tuple[int, int, Choice] | None = None  # (batch, -level, choice)
@@ -212,12 +238,17 @@ def search(inp: Inputs) -> Plan | None:
 
 
 def validate(inp: Inputs) -> None:
+    ui = inp.interface
     for name in ("memory_mib", "gpus", "prompt_length", "response_length", "rollout_n"):
         value = getattr(inp, name)
         if not isinstance(value, int) or value < 1:
-            raise EngineError("plan-bad-input", f"{name} must be a positive integer, not {value}")
+            raise EngineError(
+                "plan-bad-input", f"{spell(ui, name)} must be a positive integer, not {value}"
+            )
     if inp.target_train_batch is not None and inp.target_train_batch < 1:
-        raise EngineError("plan-bad-input", "--target-train-batch must be a positive integer")
+        raise EngineError(
+            "plan-bad-input", f"{spell(ui, 'target_train_batch')} must be a positive integer"
+        )
     if inp.headroom_mib is not None and inp.headroom_mib < 0:
         # A negative margin plans a peak above the card's memory.
         raise EngineError(
@@ -238,7 +269,10 @@ def validate(inp: Inputs) -> None:
     if inp.compute_dtype not in PRECISIONS:
         raise EngineError("plan-bad-input", f"no memory figures for dtype {inp.compute_dtype!r}")
     if inp.device == "cpu" and inp.gpus != 1:
-        raise EngineError("plan-bad-input", "the cpu profile plans one worker process: --gpus 1")
+        raise EngineError(
+            "plan-bad-input",
+            f"the cpu profile plans one worker process: {setting(inp.interface, 'gpus', 1)}",
+        )
     recipes.validate(
         inp.algorithm,
         inp.critic,
@@ -246,6 +280,7 @@ def validate(inp: Inputs) -> None:
         inp.lora_rank,
         inp.lora_alpha,
         inp.lora_target_modules,
+        inp.base_dtype,
     )
 
 
@@ -259,6 +294,7 @@ def plan(inp: Inputs) -> Plan:
 
 def does_not_fit(inp: Inputs) -> str:
     """Why the smallest setting does not fit, and which changes would."""
+    inp = replace(inp, base_dtype=base_dtypes(inp)[-1])  # auto: its smallest, tried last
     batch = inp.target_train_batch or inp.gpus
     tries = []
     for level, off in offload_levels(inp):
@@ -275,18 +311,23 @@ def does_not_fit(inp: Inputs) -> str:
         f"micro batch 1, gradient checkpointing and the best offload ('{level}'), the {worst} "
         f"phase needs {est.peak:.0f} MiB, over the cap of {cap_mib(inp)} MiB ({parts} MiB)."
     )
+    ui = inp.interface  # the fixes in the asker's terms: flags, or a job's settings
     fixes = []
     if inp.target_train_batch and search(replace(inp, target_train_batch=None)):
-        fixes.append("a smaller --target-train-batch (or none: the planner finds the largest)")
+        fixes.append(
+            f"a smaller {spell(ui, 'target_train_batch')} (or none: the planner finds the largest)"
+        )
     shorter = _longest_response_that_fits(inp)
     if shorter:
-        fixes.append(f"shorter responses (--response-length {shorter} fits)")
+        fixes.append(f"shorter responses ({setting(ui, 'response_length', shorter)} fits)")
     if inp.device == "cuda":
         more = next(
             (g for g in (2, 4, 8, 16) if g > inp.gpus and search(replace(inp, gpus=g))), None
         )
         if more:
-            fixes.append(f"more GPUs (--gpus {more} fits: FSDP shards weights, grads, Adam)")
+            fixes.append(
+                f"more GPUs ({setting(ui, 'gpus', more)} fits: FSDP shards weights, grads, Adam)"
+            )
         else:
             fixes.append(
                 "more GPUs do not help alone"
@@ -294,18 +335,21 @@ def does_not_fit(inp: Inputs) -> str:
             )
         capped = MAX_OFFLOAD[inp.max_offload] < MAX_OFFLOAD["all"]
         if capped and search(replace(inp, max_offload="all")):
-            fixes.append("allow offload (--max-offload all)")
+            fixes.append(f"allow offload ({setting(ui, 'max_offload', 'all')})")
     if inp.critic and inp.algorithm is None and search(replace(inp, critic=False)):
-        fixes.append("no critic (GRPO: --no-critic fits)")
+        fixes.append(f"no critic (GRPO: {switch(ui, NO_CRITIC)} fits)")
     elif inp.critic and search(replace(inp, algorithm="grpo", critic=False)):
-        fixes.append("a critic-free estimator (--algorithm grpo fits)")
+        fixes.append(f"a critic-free estimator ({setting(ui, 'algorithm', 'grpo')} fits)")
     if inp.ref and not inp.lora and search(replace(inp, ref=False)):
-        fixes.append("no reference model (no KL: --no-ref fits)")
-    if not inp.lora and search(replace(inp, lora_rank=SUGGESTED_LORA_RANK)):
+        fixes.append(f"no reference model (no KL: {switch(ui, NO_REF)} fits)")
+    if not inp.lora and search(replace(inp, lora_rank=SUGGESTED_LORA_RANK, base_dtype="auto")):
         fixes.append(
-            f"LoRA (--lora-rank {SUGGESTED_LORA_RANK} fits: gradients and Adam for the "
-            "adapters only, and no ref copy)"
+            f"LoRA ({setting(ui, 'lora_rank', SUGGESTED_LORA_RANK)} fits: gradients and Adam "
+            "for the adapters only, and no ref copy; the frozen base at 16 bits where fp32 "
+            "does not fit)"
         )
+    elif inp.lora and inp.base_dtype == "fp32" and search(replace(inp, base_dtype="bf16")):
+        fixes.append(f"the frozen base at 16 bits ({setting(ui, 'base_dtype', 'bf16')} fits)")
     smaller = [
         name
         for name, shape in SHAPES.items()

@@ -7,7 +7,7 @@ source (``get_nccl_backend``, ``get_torch_device``) is a platform here, register
 through verl's own ``PlatformRegistry`` from outside its tree.
 
 - device ``cpu``, collectives over gloo, the torch module a shim with ``torch.cuda``'s
-  memory/RNG calls (``oldgpu.patch.compat_cpu``: the same one the 0.5.0 cpu set uses);
+  memory/RNG calls (``oldgpu.patch.runtime.compat_cpu``: the same one the 0.5.0 cpu set uses);
 - Ray resource ``GPU``: verl's resource pools count and place GPUs only, so a CPU job
   advertises fake ones (``+ray_kwargs.ray_init.num_gpus=N``); a CPU torch ignores the
   ``CUDA_VISIBLE_DEVICES`` Ray then sets.
@@ -28,7 +28,7 @@ def platform_class() -> type:
     """The platform class (built on first use: it subclasses verl's ``PlatformBase``)."""
     from verl.plugin.platform import PlatformBase
 
-    from oldgpu.patch.compat_cpu import CPU_DEVICE, CPU_DIST_BACKEND
+    from oldgpu.patch.runtime.compat_cpu import CPU_DEVICE, CPU_DIST_BACKEND
 
     class PlatformCPU(PlatformBase):
         @property

@@ -1,6 +1,6 @@
 # --- cpu profile ---
 # ``oldgpu patch`` appends this to verl/utils/oldgpu_compat.py (the rest of which is
-# compat.py) for device cpu only; the sites of the cpu patch set (verl_0_5_0_cpu.py)
+# compat.py) for device cpu only; the sites of the cpu patch set (verl_0_5_0/cpu.py)
 # call it. A tree patched for cpu runs without a GPU: nothing here asks whether there
 # is one (Ray hides the GPUs from the TaskRunner, so asking there would lie anyway).
 # No ``from __future__`` here: this text is not at the top of the module it lands in.

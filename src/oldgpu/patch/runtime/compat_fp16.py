@@ -1,6 +1,6 @@
 # --- fp16 profiles ---
 # ``oldgpu patch`` appends this to verl/utils/oldgpu_compat.py for compute dtype fp16
-# only; the sites of the fp16 patch set (verl_0_5_0_fp16.py) call it. One FSDP
+# only; the sites of the fp16 patch set (verl_0_5_0/fp16.py) call it. One FSDP
 # ShardedGradScaler per actor/critic object, made on first use, and the HF rollout's
 # fp16 copy of the actor. Both act only while the compute dtype is fp16 at run time:
 # OLDGPU_COMPUTE_DTYPE=fp32 on an fp16 tree makes every helper a pass-through (the fp32

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import ast
 
-from oldgpu.patch import verl_0_5_0_cpu as cpu050
 from oldgpu.patch.compat_module import COMPAT_ALIAS
 from oldgpu.patch.sitepatch import SiteNotFound
 from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to, keyword
-from oldgpu.patch.verl_0_9_0 import FSDP_ENGINE, VERSIONS
+from oldgpu.patch.verl_0_5_0 import cpu as cpu050
+from oldgpu.patch.verl_0_9_0.base import FSDP_ENGINE, VERSIONS
 
 DISTRIBUTED = "verl/utils/distributed.py"
 ENGINE_WORKERS = "verl/workers/engine_workers.py"

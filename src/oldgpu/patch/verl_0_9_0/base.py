@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import ast
 
-from oldgpu.patch import verl_0_5_0
 from oldgpu.patch.compat_module import COMPAT_ALIAS
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import Change, Patch, SiteNotFound, SitePatch, VerifyFailed
 from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to, is_constant
+from oldgpu.patch.verl_0_5_0 import base as verl_0_5_0
 
 VERSIONS = frozenset({"0.9.0"})
 

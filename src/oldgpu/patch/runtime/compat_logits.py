@@ -1,6 +1,6 @@
 # --- the logits of the response, and their log-probs and entropy by rows ---
 # ``oldgpu patch`` appends this to verl/utils/oldgpu_compat.py for every profile; the
-# sites of verl_0_5_0_logits.py call it. verl 0.5.0's padded path computes the logits of
+# sites of verl_0_5_0/logits.py call it. verl 0.5.0's padded path computes the logits of
 # every position (prompt + response) and keeps the response's: half the lm_head's work
 # and bytes thrown away (on a P40, fp32 FLOPs at 12 TFLOPS), and the log-probs' and the
 # entropy's temporaries are each a micro batch's response logits long. Those set the

@@ -17,7 +17,7 @@ from oldgpu.patch.compat_module import COMPAT_ALIAS
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import SiteNotFound, SitePatch
 from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to, keyword
-from oldgpu.patch.verl_0_5_0 import ENGINE_IMPL, FSDP_WORKERS, VERSIONS
+from oldgpu.patch.verl_0_5_0.base import ENGINE_IMPL, FSDP_WORKERS, VERSIONS
 
 DEVICE = "verl/utils/device.py"
 FSDP_UTILS = "verl/utils/fsdp_utils.py"

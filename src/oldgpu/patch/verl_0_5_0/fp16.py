@@ -1,6 +1,6 @@
 """The fp16 patch set for verl 0.5.0: a loss scaler on the actor's and critic's updates,
 and the HF rollout on an fp16 copy of the actor (the logits of the response only and
-the entropy by rows, which began here, are every profile's: verl_0_5_0_logits.py).
+the entropy by rows, which began here, are every profile's: verl_0_5_0/logits.py).
 
 These join only for compute dtype fp16 (the volta and turing profiles), on top of the
 dtype/attention set, whose autocast sites already follow the profile's dtype. verl
@@ -33,7 +33,7 @@ from oldgpu.patch.compat_module import COMPAT_ALIAS
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import Change, Patch, Site, SiteNotFound, VerifyFailed
 from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to
-from oldgpu.patch.verl_0_5_0 import DP_ACTOR, DP_CRITIC, HF_ROLLOUT, VERSIONS
+from oldgpu.patch.verl_0_5_0.base import DP_ACTOR, DP_CRITIC, HF_ROLLOUT, VERSIONS
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ its helpers) asks the model for the logits of every position and keeps the respo
 on a P40 that is fp32 lm_head FLOPs over the prompt thrown away, and its three
 micro x sequence x vocab copies in the update (the lm_head output, the slice's gradient
 scattered back, the log-probs' gradient) are what cap the actor's micro batch. The fp16
-path (verl_0_5_0_fp16.py) showed the cure; it is the same for every dtype:
+path (verl_0_5_0/fp16.py) showed the cure; it is the same for every dtype:
 
 - ``entropy-by-rows``: ``verl_F.entropy_from_logits`` (the log-prob phase's metric, and
   under ``entropy_checkpointing``) -> ``oldgpu_compat.entropy_by_rows``: the same
@@ -32,7 +32,7 @@ from oldgpu.patch.compat_module import COMPAT_ALIAS
 from oldgpu.patch.options import Options
 from oldgpu.patch.sitepatch import Change, Patch, Site, SiteNotFound, VerifyFailed
 from oldgpu.patch.source import Edit, SourceFile, dotted, is_call_to
-from oldgpu.patch.verl_0_5_0 import DP_ACTOR, VERSIONS
+from oldgpu.patch.verl_0_5_0.base import DP_ACTOR, VERSIONS
 
 
 def _c(function: str) -> str:
