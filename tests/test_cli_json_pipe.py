@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from oldgpu import cli
+from oldgpu import asset_files, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 # Commands that wait for something that is not here (a Ray head) by design.
 WAITS = {("ray-node", "wait-head")}
-SANE = (0, 1, 2, 3, 4, 5, 6, cli.BROKEN_PIPE)
+SANE = (0, 1, 2, 3, 4, 5, 6, cli.BROKEN_PIPE, *asset_files.EXIT_CODES)
 
 
 def leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

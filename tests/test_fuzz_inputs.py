@@ -357,6 +357,11 @@ REPORTED = [
     ({"f": [1]}, "doctor --facts {root}/f", "facts-invalid", 2),
     ({"f": {"detect": 3, "probe": "x"}}, "doctor --facts {root}/f", "facts-invalid", 2),
     ({}, "doctor --min-free-gpu-mib -3", "doctor-bad-input", 2),
+    ({"m/acme/x/r1/oldgpu-assets.json": BINARY}, "assets fetch model acme/x --revision r1 --mirror {root}/m", "asset-statement-invalid", 23),  # noqa: E501
+    ({"m/acme/x/r1/config.json": "{}"}, "assets fetch model acme/x --revision r2 --mirror {root}/m", "asset-revision-missing", 21),  # noqa: E501
+    ({"m/acme/x/r1/config.json": "{}"}, "assets fetch model acme/x --revision r1 --mirror {root}/m", "asset-files-missing", 22),  # noqa: E501
+    ({}, "assets fetch model ../x --mirror {root}", "asset-id-invalid", 4),
+    ({}, "assets fetch model acme/x --source ftp", "asset-source-unknown", 20),
 ]
 # fmt: on
 

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "oldgpu.plot",
     "oldgpu.smoke",
     "oldgpu.data",
+    "oldgpu.assets",
     "oldgpu.guard",
     "oldgpu.topology",
     "oldgpu.venv",
@@ -40,7 +41,8 @@ COMMAND_MODULES = (
 )
 # A module may name the packages it needs beyond the standard library in
 # ``REQUIRES``: the command then re-runs itself with the training venv's
-# interpreter, which has them (the engine itself runs on the system python3).
+# interpreter, which has them (the engine itself runs on the system python3). A
+# module whose needs depend on the call has ``requires(args)`` instead.
 VENV_PYTHON_ENV = "OLDGPU_VENV_PYTHON"
 DEFAULT_VENV_PYTHON = str(paths.VENV_PYTHON)
 
@@ -73,7 +75,8 @@ def _missing(requires: Sequence[str]) -> list[str]:
 def _reexec_in_venv(args: argparse.Namespace, argv: Sequence[str]) -> None:
     """Run again under the venv's interpreter when this one lacks a package the command needs."""
     module = sys.modules.get(getattr(args.func, "__module__", ""), None)
-    missing = _missing(getattr(module, "REQUIRES", ()))
+    requires = getattr(module, "requires", None)
+    missing = _missing(requires(args) if requires else getattr(module, "REQUIRES", ()))
     if not missing:
         return
     venv = os.environ.get(VENV_PYTHON_ENV, DEFAULT_VENV_PYTHON)

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -255,6 +256,98 @@ def gsm8k(train: Path, test: Path, out: Path) -> dict[str, Any]:
     return {"dataset": "gsm8k", "data_source": DATA_SOURCE, "out": str(out), "files": files}
 
 
+# --- a placed data set, prepared for a job ---
+
+PREPARED_RECORD = "oldgpu-prepared.json"
+# The data sets ``prepare`` knows, by the data_source a job names (verl's reward key).
+RECIPES = (DATA_SOURCE,)
+
+
+def find_split(raw: Path, split: str) -> list[Path]:
+    """The file(s) of one split in a data set as published: ``train.jsonl``,
+    ``main/train-00000-of-00001.parquet`` (the hub's GSM8K: config ``main`` first)."""
+    found = sorted(
+        p for p in Path(raw).rglob(f"{split}*")
+        if p.is_file() and p.suffix in (".parquet", ".jsonl") and not p.name.startswith(".")
+    )  # fmt: skip
+    parents = sorted({p.parent for p in found})
+    if len(parents) > 1:
+        main = [d for d in parents if d.name == "main"]
+        if len(main) != 1:
+            raise EngineError(
+                "data-split-ambiguous",
+                f"{raw}: {split} files in {', '.join(str(d) for d in parents)}; give "
+                "train_files and val_files instead",
+            )
+        found = [p for p in found if p.parent == main[0]]
+    if not found:
+        raise EngineError("data-split-missing", f"{raw}: no {split}*.parquet or {split}*.jsonl")
+    return found
+
+
+def _raw_digest(raw: Path) -> str | None:
+    try:
+        return json.loads((Path(raw) / "oldgpu-assets.json").read_text())["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare(raw: Path, data_source: str, out: Path, *, check: bool = False) -> dict[str, Any]:
+    """A placed data set (oldgpu assets) in verl's layout at OUT/{train,test}.parquet.
+
+    Made again only when the placed copy changed (its digest is recorded beside the
+    files); written beside OUT and switched in whole (a link renamed), like the copy.
+    """
+    from oldgpu import assets  # oldgpu.assets imports nothing of this module
+
+    if data_source not in RECIPES:
+        raise EngineError(
+            "data-recipe-unknown",
+            f"data_source {data_source!r}: oldgpu data prepares {', '.join(RECIPES)}; for "
+            "another data set give train_files and val_files in verl's layout",
+            code=4,
+        )
+    out = Path(out)
+    digest = _raw_digest(raw)
+    report = {"kind": "prepared", "path": str(out), "source": str(raw), "data_source": data_source}
+    try:
+        done = json.loads((out / PREPARED_RECORD).read_text())
+    except (OSError, ValueError):
+        done = {}
+    whole = all((out / f"{split}.parquet").is_file() for split in SPLITS)
+    if digest and done.get("source_digest") == digest and whole:
+        return {**report, "changed": False, "action": "unchanged"}
+    action = "replace" if out.exists() or out.is_symlink() else "place"
+    if check or digest is None:
+        if digest is None and not check:
+            raise EngineError(
+                "data-source-unplaced", f"{raw}: no placed data set there (oldgpu assets fetch)"
+            )
+        return {**report, "changed": True, "action": f"would-{action}"}
+    rows = {
+        split: verl_rows([r for f in find_split(raw, split) for r in read_gsm8k(f)], split)
+        for split in SPLITS
+    }
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = assets.new_staging(out)
+        try:
+            for split in SPLITS:
+                write_parquet(rows[split], staging / f"{split}.parquet")
+            record = {"source": str(raw), "source_digest": digest, "data_source": data_source,
+                      "rows": {split: len(rows[split]) for split in SPLITS}}  # fmt: skip
+            (staging / PREPARED_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            for path in [staging, *staging.iterdir()]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            assets.switch_in(out, staging, digest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        raise EngineError("data-write-failed", f"{out}: {exc}") from exc
+    return {**report, "changed": True, "action": action + "d",
+            "rows": {split: len(rows[split]) for split in SPLITS}}  # fmt: skip
+
+
 # --- CLI ---
 
 
@@ -267,6 +360,21 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     g.add_argument("--train", type=Path, required=True, help="the train split as published")
     g.add_argument("--test", type=Path, required=True, help="the test split as published")
     g.add_argument("--out", type=Path, required=True, help="writes OUT/{train,test}.parquet")
+    summary = "a data set oldgpu assets placed -> prepared_dir/<id>/<revision>, by data_source"
+    p = subcommand.add(kinds, common, "placed", run_placed, help=summary)
+    p.add_argument("id", help="the data set's id, as a job's dataset names it")
+    p.add_argument("--revision", default="main", help="as the job's dataset_revision")
+    p.add_argument("--data-source", default=DATA_SOURCE, help=f"the job's (default {DATA_SOURCE})")
+    p.add_argument("--check", action="store_true", help="say what would change; change nothing")
+
+
+def run_placed(args: argparse.Namespace) -> Result:
+    from oldgpu import asset_files
+
+    raw = asset_files.place_of("dataset", args.id, args.revision)
+    out = asset_files.prepared_of(args.id, args.revision)
+    doc = prepare(raw, args.data_source, out, check=args.check)
+    return Result(doc, f"{doc['path']}: {doc['action']} from {raw}")
 
 
 def run(args: argparse.Namespace) -> Result:

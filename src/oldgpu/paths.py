@@ -67,6 +67,15 @@ def release_sdist(version: str) -> Path:
 # verl/jobs/<name>, so systemd puts a job's state in STATE_DIR / <name>.
 DATA_DIR = Path("/var/lib/verl")
 STATE_DIR = DATA_DIR / "jobs"
+# Models and data sets as published, one directory per id and revision (oldgpu.assets
+# places them, root-owned and world-readable: the unit reads /var/lib), and the data
+# sets in verl's layout that `oldgpu data` makes from them.
+MODELS_DIR = DATA_DIR / "models"
+DATASETS_DIR = DATA_DIR / "datasets"
+PREPARED_DIR = DATA_DIR / "prepared"
+# Where the verl_jobs role synchronizes models and data sets from the controller
+# (<id>/<revision>/), placed from there like from a mirror.
+INCOMING_DIR = DATA_DIR / "incoming"
 # The jobs' log files (the unit's LogsDirectory=verl).
 LOG_DIR = Path("/var/log/verl")
 # One <job>.env per job (root:GROUP 0750: it may hold secrets).
@@ -96,6 +105,10 @@ def as_dict() -> dict[str, str]:
         "verl_dir": str(VERL_DIR),
         "data_dir": str(DATA_DIR),
         "state_dir": str(STATE_DIR),
+        "models_dir": str(MODELS_DIR),
+        "datasets_dir": str(DATASETS_DIR),
+        "prepared_dir": str(PREPARED_DIR),
+        "incoming_dir": str(INCOMING_DIR),
         "log_dir": str(LOG_DIR),
         "config_dir": str(CONFIG_DIR),
         "jobs_dir": str(JOBS_DIR),

@@ -211,6 +211,22 @@ CASES = [
     ),
     ("verl commit a branch name", "verl", {"verl_commit": "main"}, ["verl_commit"]),
     (
+        "a model revision that is not one directory name",
+        "verl_jobs",
+        {"verl_jobs": [job(model_path=None, model="oldgpu/smoke-qwen2", model_revision="a/b")]},
+        ["job-config-invalid", "job bad", "model"],
+    ),
+    (
+        "a job's model by id from a mirror not given",
+        "verl_jobs",
+        {
+            "verl_jobs": [job(model_path=None, model="oldgpu/smoke-qwen2")],
+            "verl_jobs_assets_source": "mirror",
+            "verl_jobs_assets_mirror_dir": "",
+        },
+        ["verl-jobs-assets-source-unset", "verl_jobs_assets_mirror_dir"],
+    ),
+    (
         "a job on a verl release the host does not carry",
         "verl_jobs",
         {"verl_jobs": [job(verl_version="0.9.0")], "verl_releases": []},

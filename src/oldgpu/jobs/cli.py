@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -76,7 +77,9 @@ def run_env(args: argparse.Namespace) -> Result:
     if not args.outside_unit:
         check_for_unit(job)  # the unit's sandbox: refused here, not when it starts
     text = render_env(job)
-    return Result({"name": job.name, "env": text}, text)
+    # ``job``: the settings as the engine resolved them (the verl_jobs role's assets
+    # phase reads the model and data set from it).
+    return Result({"name": job.name, "env": text, "job": dataclasses.asdict(job)}, text)
 
 
 def run_fields(args: argparse.Namespace) -> Result:

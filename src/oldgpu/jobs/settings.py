@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import paths, profile, recipe, verl_release
+from oldgpu import asset_files, paths, profile, recipe, verl_release
 from oldgpu.jobs import unit
 from oldgpu.output import EngineError
 
@@ -51,10 +51,14 @@ REQUIRED = object()
 # fmt: off
 FIELDS: tuple[Field, ...] = (
     Field("name", "str", REQUIRED, "the job's name: the unit is verl-train@<name>"),
-    Field("model_path", "path", REQUIRED, "a local model directory (config.json, weights, tokenizer)"),  # noqa: E501
+    Field("model_path", "path", "", "a local model directory (config.json, weights, tokenizer); or model"),  # noqa: E501
+    Field("model", "str", "", "a model id (org/name) that oldgpu assets places in models_dir; instead of model_path"),  # noqa: E501
+    Field("model_revision", "str", "main", "the model's revision: a branch, tag or commit"),
     Field("critic_model_path", "path", "", "the critic's model directory (default: model_path)"),
-    Field("train_files", "path", REQUIRED, "training parquet in verl's layout (oldgpu data)"),
-    Field("val_files", "path", REQUIRED, "validation parquet"),
+    Field("train_files", "path", "", "training parquet in verl's layout (oldgpu data); or dataset"),
+    Field("val_files", "path", "", "validation parquet; or dataset"),
+    Field("dataset", "str", "", "a data set id that oldgpu assets places and oldgpu data prepares; instead of train_files and val_files"),  # noqa: E501
+    Field("dataset_revision", "str", "main", "the data set's revision: a branch, tag or commit"),
     Field("data_source", "str", "openai/gsm8k", "the data_source rows carry; picks verl's reward"),
     Field("total_steps", "int", REQUIRED, "trainer.total_training_steps"),
     Field("save_freq", "int", 10, "checkpoint every N steps (resume continues from the last)"),
@@ -126,9 +130,13 @@ def _check_value(field: Field, value: str) -> None:
 class Job:
     name: str
     model_path: str
+    model: str
+    model_revision: str
     critic_model_path: str
     train_files: str
     val_files: str
+    dataset: str
+    dataset_revision: str
     data_source: str
     total_steps: int
     save_freq: int
@@ -258,6 +266,7 @@ def job_from_mapping(values: Mapping[str, Any]) -> Job:
     except EngineError as exc:
         raise EngineError(exc.name, exc.message, code=CONFIG_INVALID) from None
     _check_cluster(out)
+    _resolve_assets(out)
     for problem in recipe.problems(out):
         raise invalid(problem)
     return Job(**out)
@@ -309,6 +318,39 @@ def _check_cluster(out: Mapping[str, Any]) -> None:
         )
     if out["cluster_nodes"] < 1:
         raise invalid("cluster_nodes: a cluster has at least one node")
+
+
+def _resolve_assets(out: dict[str, Any]) -> None:
+    """``model``/``dataset`` by id and revision name the paths oldgpu.assets places them at."""
+    for kind, path_fields in (
+        ("model", ("model_path",)),
+        ("dataset", ("train_files", "val_files")),
+    ):
+        if not out[kind]:
+            for key in path_fields:
+                if not out[key]:
+                    raise invalid(f"{key} is required, or {kind} ({FIELD_BY_NAME[key].help})")
+            continue
+        try:
+            wanted = dict(
+                zip(
+                    path_fields,
+                    asset_files.job_paths(kind, out[kind], out[f"{kind}_revision"]),
+                    strict=True,
+                )
+            )
+        except EngineError as exc:
+            raise invalid(f"{kind}: {exc.message}") from None
+        for key, path in wanted.items():
+            # The env file carries both; a different path is a second answer.
+            if out[key] and out[key] != path:
+                raise EngineError(
+                    "job-asset-twice",
+                    f"{key}: {out[key]!r} and {kind}: {out[kind]!r} name two places ({path}); "
+                    f"give one of them",
+                    code=CONFIG_INVALID,
+                )
+            out[key] = path
 
 
 # systemd's ProtectHome= hides these from the unit (unit.py reads what the unit hides).
