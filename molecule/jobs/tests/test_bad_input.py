@@ -122,7 +122,9 @@ CASES = [
         "misspelt setting",
         "verl_jobs",
         {"verl_jobs": [job(totl_steps=3)]},
-        ["totl_steps", "did you mean total_steps"],
+        # The role's argument spec refuses it first, naming it among the supported ones;
+        # `oldgpu job env` adds "did you mean total_steps" (tests/test_jobs.py).
+        ["totl_steps", "total_steps"],
     ),
     ("enabled not a boolean", "verl_jobs", {"verl_jobs": [job(enabled="maybe")]}, ["enabled"]),
     (
