@@ -32,9 +32,9 @@ Why the venv needs CPython 3.11 on Debian 13: the locks are made for 3.11, and
 they cannot be made for 3.13: verl 0.5.0 requires numpy < 2 and numpy 1.26.4 has no
 3.13 build (every other pinned wheel has one, or is pure Python). Trixie packages no
 3.11 (Debian 12's python3.11 does not install beside trixie's libc/libtirpc), so the
-interpreter is the operator's: a CPython 3.11 from a tarball on their mirror
-(python_env_interpreter_url) or one already installed (python_env_python); without
-either the roles stop with ``python-interpreter-unavailable`` before anything changes.
+interpreter is the operator's: an installed CPython 3.11 (python_env_python: a
+relocatable CPython build unpacked from their mirror, pyenv's, Nix's); without it the
+roles stop with ``python-interpreter-unavailable`` before anything changes.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def interpreter(release: Release, given: str | None = None) -> dict[str, Any]:
             f"{release.name}'s python3 is {release.system_python} and the locks are made for "
             f"{want} (verl 0.5.0 needs numpy < 2, and numpy 1.26.4 has no "
             f"{release.system_python} build); {release.name} packages no python{want}: set "
-            f"python_env_interpreter_url (a CPython {want} tarball on your mirror) or "
-            f"python_env_python (an installed python{want})"
+            f"python_env_python to an installed CPython {want} (a relocatable build unpacked "
+            f"from your mirror, pyenv's, Nix's)"
         ),
     }
 
