@@ -12,7 +12,7 @@ export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
 # Every scenario. The fleet's three hosts start from the image of the jobs
 # scenario's converged host (molecule/fleet/image.sh): scripts/molecule-all.sh runs
-# jobs then default in one lane, nvidia then the fleet (once that image is ready) in
+# jobs then default in one lane, nvidia, trixie, then the fleet (once that image is ready) in
 # the other (OLDGPU_MOLECULE_LANES=1 runs them one after another).
 SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 
