@@ -103,6 +103,8 @@ def test_the_cuda_toolkit_source_per_release():
     assert wheels["nvidia-cuda-runtime-cu11"] == cu118["nvidia-cuda-runtime-cu11"]
     assert wheels["nvidia-cuda-nvrtc-cu11"] == cu118["nvidia-cuda-nvrtc-cu11"]
     assert r13["apt_sources"] == "deb822" and r12["apt_sources"] == "one-line"
+    # NVIDIA's 11.8 wheels have ptxas, not nvcc: the roles check ptxas there.
+    assert (r12["cuda"]["nvcc"], r13["cuda"]["nvcc"]) == (True, False)
 
 
 def test_the_venv_interpreter_is_the_locks_not_trixies():

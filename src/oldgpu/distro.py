@@ -22,11 +22,14 @@ minimum (vLLM's wheels) outright where 535 needs minor-version compatibility.
 Tesla 535 stays selectable (nvidia_driver_branch: 535) for a fleet that must match
 its Debian 12 hosts.
 
-Why the CUDA 11.8 toolkit comes from the pip index on Debian 13: NVIDIA publishes no
-11.8 repository for Debian 13, and its runfile is a 4 GB download from a host an
-air-gapped fleet mirrors by hand; the nvidia-cuda-*-cu11 wheels (nvcc, runtime,
-cupti, nvrtc, cccl: py3-none-manylinux2014, any interpreter) come through the same
-pip index or wheelhouse as torch's own CUDA 11.8 libraries.
+Why CUDA 11.8 comes from the pip index on Debian 13: NVIDIA publishes no 11.8
+repository for Debian 13, and its runfile is a 4 GB download from a host an
+air-gapped fleet mirrors by hand; the nvidia-cuda-*-cu11 wheels (runtime, cupti,
+nvrtc, cccl headers, and nvidia-cuda-nvcc-cu11's ptxas and libdevice:
+py3-none-manylinux2014, any interpreter) come through the same pip index or
+wheelhouse as torch's own CUDA 11.8 libraries. NVIDIA's 11.8 wheels carry no nvcc
+(its wheels have it from 12.x): nothing in the training stack compiles CUDA on the
+host, and a host that must gets the runfile's toolkit by hand.
 
 Why the venv needs CPython 3.11 on Debian 13: the locks are made for 3.11, and
 they cannot be made for 3.13: verl 0.5.0 requires numpy < 2 and numpy 1.26.4 has no
@@ -139,6 +142,7 @@ def _releases() -> dict[str, Release]:
                 "source": "distribution",
                 "package": cuda["debian_toolkit_package"],
                 "version": cuda["debian_toolkit_version"],
+                "nvcc": True,
             },
             apt_sources="one-line",
         ),
@@ -153,7 +157,8 @@ def _releases() -> dict[str, Release]:
                 550: {"proprietary": _DEBIAN_MAIN, "open": _open(_DEBIAN_MAIN)},
             },
             default_branch=550,
-            cuda={"source": "pip-wheels", "wheels": wheels},
+            # NVIDIA's 11.8 wheels carry ptxas and libdevice, not nvcc.
+            cuda={"source": "pip-wheels", "wheels": wheels, "nvcc": False},
             apt_sources="deb822",
         ),
     }

@@ -73,14 +73,19 @@ def test_dkms_built_550_for_trixies_6_12_headers(host):
     assert sel[1] == "install", sel
 
 
-def test_nvcc_is_cuda_11_8_from_the_wheels(host):
+def test_cuda_11_8_from_the_wheels(host):
     assert host.file("/usr/local/cuda").linked_to == f"/usr/local/cuda-{CUDA['version']}"
-    out = host.check_output("bash -lc 'nvcc --version'")
+    # NVIDIA's 11.8 wheels carry ptxas (and libdevice), not nvcc: ptxas says the release.
+    out = host.check_output("bash -lc 'ptxas --version'")
     line = next(line for line in out.splitlines() if "release" in line)
-    print("nvcc --version:", line, "->", host.file("/usr/local/cuda/bin/nvcc").linked_to)
+    print("ptxas --version:", line, "->", host.file("/usr/local/cuda/bin").linked_to)
     assert f"release {CUDA['version']}, V{CUDA['wheels']['nvidia-cuda-nvcc-cu11']}" in line
     for path in ("include/cuda_runtime.h", "lib64/libcudart.so.11.0", "nvvm/libdevice"):
         assert host.file(f"/usr/local/cuda/{path}").exists, path
+    assert not host.file("/usr/local/cuda/bin/nvcc").exists
+    held = host.check_output("/opt/cuda-wheels-11.8/bin/pip freeze")
+    for name, version in CUDA["wheels"].items():
+        assert f"{name}=={version}" in held, held
     # Trixie's own toolkit (12.4) is not what was installed.
     assert not host.package("nvidia-cuda-toolkit").is_installed
 
