@@ -12,7 +12,7 @@ export ANSIBLE_FORCE_VALID_GROUP_NAMES := ignore
 PODMAN_ENV := source scripts/podman-env.sh
 # Every scenario. The fleet's three hosts start from the image of the jobs
 # scenario's converged host (molecule/fleet/image.sh): scripts/molecule-all.sh runs
-# jobs then default in one lane, nvidia then the fleet (once that image is ready) in
+# jobs then default in one lane, nvidia, trixie, then the fleet (once that image is ready) in
 # the other (OLDGPU_MOLECULE_LANES=1 runs them one after another).
 SCENARIOS ?= $(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml))
 
@@ -30,6 +30,7 @@ bootstrap: host-packages
 
 image: bootstrap
 	@scripts/build-test-image.sh
+	@OLDGPU_TEST_SUITE=trixie scripts/build-test-image.sh
 
 lint: bootstrap
 	ansible-lint
@@ -57,6 +58,7 @@ molecule: image
 	@scripts/wheelhouse.sh
 	@for lock in $(RELEASE_LOCKS); do scripts/wheelhouse.sh "$$lock"; done
 	@scripts/verl-sdists.sh
+	@scripts/cuda-wheels.sh
 	@scripts/verl-mirror.sh >/dev/null
 	@$(PODMAN_ENV) && scripts/molecule-all.sh $(SCENARIOS)
 
@@ -65,11 +67,11 @@ molecule: image
 # fresh machine the image's debootstrap and the verl mirror run beside the downloads
 # (each is a no-op once its stamp or label is current).
 prepare: bootstrap
-	@scripts/build-test-image.sh & image=$$!; \
+	@(scripts/build-test-image.sh && OLDGPU_TEST_SUITE=trixie scripts/build-test-image.sh) & image=$$!; \
 	scripts/verl-mirror.sh >/dev/null & mirror=$$!; \
 	if scripts/wheelhouse.sh && scripts/wheelhouse.sh files/requirements/vllm.lock && \
 	  (for lock in $(RELEASE_LOCKS); do scripts/wheelhouse.sh "$$lock" || exit 1; done) && \
-	  scripts/verl-sdists.sh && scripts/engine-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
+	  scripts/verl-sdists.sh && scripts/cuda-wheels.sh && scripts/engine-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
 	wait $$image || rc=1; wait $$mirror || rc=1; exit $$rc
 
 # Each stage timed (scripts/test-stages.sh prints a table at the end). unit+molecule:

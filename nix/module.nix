@@ -187,7 +187,7 @@ in
         type = types.nullOr (types.enum oldgpu.driverBranches);
         default = null;
         description = ''
-          Driver branch (470, 535 or 580); null: the engine's default for the
+          Driver branch (470, 535, 550 or 580); null: the engine's default for the
           architecture. The package is nvidiaPackages.legacy_<branch> where
           nixpkgs has it, else its current driver of that branch.
         '';

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Build localhost/debian12-systemd, a stock-looking Debian 12 with systemd as
 # PID 1, with debootstrap from the Debian mirror this machine's apt already
-# uses (no container registry is reachable). Rebuilds only when this recipe
-# changes: the image carries the recipe's hash as a label.
+# uses (no container registry is reachable). OLDGPU_TEST_SUITE=trixie builds
+# localhost/debian13-systemd the same way, from the same archive. Rebuilds only
+# when this recipe changes: the image carries the recipe's hash as a label.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=scripts/podman-env.sh
 source "$root/scripts/podman-env.sh"
-image=${OLDGPU_TEST_IMAGE:-localhost/debian12-systemd}
-suite=bookworm
+suite=${OLDGPU_TEST_SUITE:-bookworm}
+case $suite in
+  bookworm) release=12 ;;
+  trixie) release=13 ;;
+  *) echo "[image] OLDGPU_TEST_SUITE=$suite: bookworm or trixie" >&2; exit 2 ;;
+esac
+image=${OLDGPU_TEST_IMAGE:-localhost/debian$release-systemd}
 include=systemd,systemd-sysv,dbus,python3,python3-apt,sudo,ca-certificates,procps,iproute2
-recipe=$( (cat "$0"; echo "$include") | sha256sum | cut -c1-16)
+recipe=$( (cat "$0"; echo "$include $suite") | sha256sum | cut -c1-16)
 
 have=$(podman image inspect "$image" --format '{{ index .Labels "oldgpu.recipe" }}' 2>/dev/null || true)
 if [[ $have == "$recipe" ]]; then
@@ -30,8 +36,13 @@ read_mirror() {  # $1: suite to look for
     awk -v s="$1" '$1=="deb" && $3==s {print $2; exit}' /etc/apt/sources.list
   fi
 }
+# A suite this host's apt does not list (trixie on a Debian 12 machine) comes from
+# the same archive: the mirror of the host's own suite.
+own=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
 mirror=$(read_mirror "$suite" | head -n1)
+[[ -n $mirror || -z $own ]] || mirror=$(read_mirror "$own" | head -n1)
 security=$(read_mirror "$suite-security" | head -n1)
+[[ -n $security || -z $own ]] || security=$(read_mirror "$own-security" | head -n1)
 [[ -n $mirror ]] || { echo "[image] no Debian mirror for $suite in this host's apt sources" >&2; exit 1; }
 echo "[image] building $image from $mirror (recipe $recipe)"
 
@@ -41,7 +52,7 @@ rootfs=$work/rootfs
 debootstrap --variant=minbase --include="$include" "$suite" "$rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 ||
   { tail -n 30 "$work/debootstrap.log" >&2; exit 1; }
 
-# apt sources as a stock Debian 12 has them: `main` only. Enabling contrib and
+# apt sources as a stock Debian 12 or 13 has them (deb822): `main` only. Enabling contrib and
 # non-free is a role's job; an image that had them would make its test vacuous.
 rm -f "$rootfs/etc/apt/sources.list"
 {

@@ -6,7 +6,7 @@
 # $OLDGPU_JOBS_IMAGE_READY): given both, the fleet waits for that mark of this
 # run, and is skipped when the jobs scenario ended without it.
 # Two lanes run side by side (OLDGPU_MOLECULE_LANES=1: one after the other): jobs
-# then default in one, the other scenarios and then the fleet in the other (the
+# then default in one, the other scenarios (nvidia, trixie) and then the fleet in the other (the
 # jobs image is ready long before the fleet's turn). Why: one scenario alone
 # leaves a core idle much of the time (one ansible process, apt downloads, a job's
 # restart delay, Ray's start); two keep both busy (the unit tests run beside them:

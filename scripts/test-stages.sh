@@ -19,8 +19,7 @@ row() { rows+=("$(printf '%-18s %6d s  %s' "$1" "$2" "${3:-}")"); }
 # The table, whatever ended the run; the scenarios' rows under molecule's.
 table() {
   local rc=$? r name secs verdict
-  # make passes a TERM on to its children: a second one must not cut the table short.
-  trap '' TERM INT
+  trap '' TERM INT # an exit that did not come through finish (set -e)
   [[ -z $running ]] || row "$running" $((SECONDS - start)) "stopped"
   echo "[stage] times ($cache_state caches):"
   local shown=''
@@ -47,9 +46,16 @@ case ${#found[@]} in
   *) cache_state="partly warm (${found[*]})" ;;
 esac
 echo "[stage] caches in $cache: $cache_state"
+# Every way out ignores TERM and ^C first, then exits into the table. A run stopped
+# from outside (CI's time limit, ^C) gets a TERM twice: the process group's, then the
+# one make passes on to its children. The second, run as a trap inside the EXIT trap,
+# used to exit before the table was printed (issue 33).
+finish() {
+  trap '' TERM INT
+  exit "$1"
+}
 trap table EXIT
-# A run stopped from outside (CI's time limit, ^C) prints its table too.
-trap 'exit 143' TERM INT
+trap 'finish 143' TERM INT
 
 # One make target beside others: its lines marked, its time and status in $tmp.
 beside() {
@@ -81,7 +87,7 @@ for stage in "$@"; do
     done
     row "($stage)" $((SECONDS - start)) "$( ((${#failed[@]})) && echo FAILED)"
     running=''
-    [[ ${#failed[@]} -eq 0 ]] || exit 1
+    [[ ${#failed[@]} -eq 0 ]] || finish 1
     echo "[stage] $stage: passed in $((SECONDS - start)) s"
     continue
   fi
@@ -89,9 +95,10 @@ for stage in "$@"; do
     running=''
     row "$stage" $((SECONDS - start)) FAILED
     echo "[stage] $stage: FAILED after $((SECONDS - start)) s"
-    exit 1
+    finish 1
   fi
   running=''
   row "$stage" $((SECONDS - start))
   echo "[stage] $stage: passed in $((SECONDS - start)) s"
 done
+finish 0

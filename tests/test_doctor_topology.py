@@ -29,7 +29,7 @@ def test_acs_box_warns_with_the_cause_and_the_fix():
     f = healthy_p40() | {"topology": report("4xp40-acs", [])}
     rep = doctor_checks.evaluate(f)
     ids = [c["id"] for c in rep["checks"]]
-    assert ids == [*doctor_checks.CHECK_IDS, *doctor_checks.OPTIONAL_CHECK_IDS]
+    assert ids == [*doctor_checks.CHECK_IDS, doctor_checks.TOPOLOGY_CHECK_ID]
     topo = rep["checks"][-1]
     assert topo["status"] == "warn" and "ACS" in topo["fix"] and "iommu=pt" in topo["fix"]
     assert topo["details"]["nccl_env"]["NCCL_P2P_DISABLE"] == "1"

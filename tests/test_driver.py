@@ -388,7 +388,8 @@ def test_this_host_answers(run_cli):
     assert code == 0, err
     assert r["schema"] == 1
     assert set(r) == {
-        "schema", "installed", "loaded", "dkms", "reboot", "cuda", "vllm_cuda", "sources",
+        "schema", "installed", "loaded", "dkms", "kernels", "reboot", "cuda", "vllm_cuda",
+        "sources",
     }  # fmt: skip
     assert r["sources"]["lib_modules"] == driver.LIB_MODULES
     assert r["cuda"]["fit"] in ("ok", "compat", "too-old", "unknown", "none")

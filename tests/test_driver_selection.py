@@ -17,13 +17,13 @@ from oldgpu.output import EngineError
 # proprietary modules (470 still allowed); 580 is their last branch.
 EXPECTED = {
     "kepler": ([470], 470, ["proprietary"]),
-    "maxwell": ([470, 535, 580], 535, ["proprietary"]),
-    "pascal": ([470, 535, 580], 535, ["proprietary"]),
-    "volta": ([470, 535, 580], 535, ["proprietary"]),
-    "turing": ([470, 535, 580], 535, ["proprietary", "open"]),
-    "ampere": ([470, 535, 580], 535, ["proprietary", "open"]),
-    "ada": ([535, 580], 535, ["proprietary", "open"]),
-    "hopper": ([535, 580], 535, ["proprietary", "open"]),
+    "maxwell": ([470, 535, 550, 580], 535, ["proprietary"]),
+    "pascal": ([470, 535, 550, 580], 535, ["proprietary"]),
+    "volta": ([470, 535, 550, 580], 535, ["proprietary"]),
+    "turing": ([470, 535, 550, 580], 535, ["proprietary", "open"]),
+    "ampere": ([470, 535, 550, 580], 535, ["proprietary", "open"]),
+    "ada": ([535, 550, 580], 535, ["proprietary", "open"]),
+    "hopper": ([535, 550, 580], 535, ["proprietary", "open"]),
     "blackwell": ([580], 580, ["open"]),
 }
 PRE_TURING = ["kepler", "maxwell", "pascal", "volta"]
@@ -58,7 +58,7 @@ def test_each_architecture(arch):
 
 
 @pytest.mark.parametrize("arch", ["maxwell", "pascal", "volta"])
-@pytest.mark.parametrize("branch", [470, 535, 580])
+@pytest.mark.parametrize("branch", [470, 535, 550, 580])
 def test_every_supported_branch_may_be_asked_for(arch, branch):
     d = select(arch, branch=branch)
     assert (d["selected"], d["flavour"]) == (branch, "proprietary")
@@ -84,7 +84,7 @@ def test_a_branch_the_gpu_cannot_use_is_refused(arch, branch):
     assert str(EXPECTED[arch][0]) in exc.message  # it says what to choose instead
 
 
-@pytest.mark.parametrize("branch", [390, 550, 590])
+@pytest.mark.parametrize("branch", [390, 545, 590])
 def test_a_branch_the_project_does_not_install_is_refused(branch):
     assert error("pascal", branch=branch).name == "driver-branch-unknown"
 
@@ -99,11 +99,11 @@ def test_an_unknown_flavour_is_refused():
 @pytest.mark.parametrize(
     ("archs", "branches", "selected"),
     [
-        (("pascal", "volta"), [470, 535, 580], 535),  # both default to Debian's 535
-        (("pascal", "pascal"), [470, 535, 580], 535),
+        (("pascal", "volta"), [470, 535, 550, 580], 535),  # both default to Debian's 535
+        (("pascal", "pascal"), [470, 535, 550, 580], 535),
         (("kepler", "pascal"), [470], 470),  # Kepler's last branch drives Pascal too
         (("kepler", "ampere"), [470], 470),
-        (("maxwell", "hopper"), [535, 580], 535),
+        (("maxwell", "hopper"), [535, 550, 580], 535),
         (("hopper", "blackwell"), [580], 580),  # the newest branch both take
         (("ada", "blackwell"), [580], 580),
     ],
@@ -183,7 +183,11 @@ def test_cli_answers_what_the_role_installs(run_cli, argv, selected, flavour):
     [
         (["--arch", "pascal", "--driver-flavour", "open"], "open-modules-unsupported"),
         (["--arch", "kepler", "--driver-branch", "535"], "driver-branch-unsupported"),
-        (["--arch", "pascal", "--driver-branch", "550"], "driver-branch-unknown"),
+        (["--arch", "pascal", "--driver-branch", "545"], "driver-branch-unknown"),
+        (
+            ["--arch", "pascal", "--driver-branch", "470", "--distro", "debian-13"],
+            "driver-branch-not-packaged",
+        ),
     ],
 )
 def test_cli_errors_are_json_with_a_name_and_a_message(run_cli, argv, name):

@@ -1,9 +1,10 @@
-"""The GPU roles' Ubuntu paths, rendered (no Ubuntu host can be built here).
+"""The GPU roles' Ubuntu and Debian paths, rendered (no Ubuntu host can be built here).
 
-tests/ansible/render_gpu_roles.yml loads the roles' own vars files and renders
-their templates with Ansible for faked Ubuntu 22.04, 20.04 and Debian 12
-facts; these tests check the package lists, apt sources and pins it produced.
-Debian 12 also runs for real in molecule/nvidia.
+tests/ansible/render_gpu_roles.yml loads the roles' own vars files (the Debian ones
+read the engine's `oldgpu distro`) and renders their templates with Ansible for
+faked Ubuntu 22.04, 20.04, Debian 12 and Debian 13 facts; these tests check the
+package lists, apt sources and pins it produced. Debian 12 also runs for real in
+molecule/nvidia.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = json.loads((ROOT / "files" / "pins.json").read_text())
-HOSTS = ("jammy", "focal", "bookworm")
+HOSTS = ("jammy", "focal", "bookworm", "trixie")
 GPU_ROLES = ("nvidia_driver", "cuda", "nvidia_cuda_repo")
 
 
@@ -164,7 +165,8 @@ def test_branch_pins(rendered, host):
         assert stanza["Pin-Priority"] == "1001"
         packages = stanza["Package"].split()
         assert packages == sorted(packages) and packages
-        assert all(str(branch) in p or host == "bookworm" for p in packages)
+        # Debian's main driver packages carry no branch in their names (nvidia-driver).
+        assert all(str(branch) in p or host in ("bookworm", "trixie") for p in packages)
 
 
 @pytest.mark.parametrize("host", HOSTS)
@@ -194,6 +196,30 @@ def test_debian_sets(rendered):
     cuda = d["cuda"]
     assert cuda["packages"] == [f"nvidia-cuda-toolkit={PINS['cuda']['debian_toolkit_version']}*"]
     assert cuda["links"]["lib64"] == "/usr/lib/x86_64-linux-gnu"
+
+
+def test_trixie_sets_come_from_the_engine(rendered):
+    d = decided(rendered, "trixie")
+    assert (d["os_branches"], d["os_sources"]) == ([535, 550], ["distribution"])
+    assert d["os_flavours"] == ["open", "proprietary"]  # the default branch's, 550
+    assert d["os_profile_args"] == ["--distro", "debian-13"]
+    assert decided(rendered, "bookworm")["os_profile_args"] == ["--distro", "debian-12"]
+    sets = {(e["branch"], e["flavour"]): e["set"] for e in d["driver_sets"]}
+    assert sets[(550, "proprietary")]["module"] == "nvidia-kernel-dkms"
+    assert sets[(550, "open")]["module"] == "nvidia-open-kernel-dkms"
+    assert "nvidia-kernel-dkms" not in sets[(550, "open")]["install"]
+    assert sets[(535, "proprietary")]["install"][:2] == [
+        "nvidia-tesla-535-driver",
+        "nvidia-tesla-535-kernel-dkms",
+    ]
+    # Trixie's firmware for the 535 module comes with it (GSP firmware, Turing and newer).
+    assert "firmware-nvidia-gsp" in sets[(535, "proprietary")]["install"]
+    cuda = d["cuda"]
+    assert (cuda["source"], cuda["layout"]) == ("pip-wheels", "wheels")
+    assert cuda["packages"] == ["python3-venv"] and cuda["hold"] == []
+    assert cuda["wheels"] == PINS["cuda"]["wheels"]
+    assert cuda["wheel_links"]["bin"] == "cuda_nvcc/bin"
+    assert decided(rendered, "bookworm")["cuda"]["source"] == "distribution"
 
 
 def test_headers_for_installed_kernels(rendered):

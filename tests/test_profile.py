@@ -41,7 +41,7 @@ PROFILE_KEYS = {
     "patch_options",
     "notes",
 }
-DRIVER_KEYS = {"required", "branches", "default", "selected", "flavours", "flavour"}
+DRIVER_KEYS = {"required", "branches", "default", "selected", "flavours", "flavour", "distro"}
 TORCH_KEYS = {
     "version",
     "variant",
@@ -193,11 +193,12 @@ def test_p40_driver():
     d = profile.select_driver([gpu("pascal")])
     assert d == {
         "required": True,
-        "branches": [470, 535, 580],
+        "branches": [470, 535, 550, 580],
         "default": 535,
         "selected": 535,
         "flavours": ["proprietary"],
         "flavour": "proprietary",
+        "distro": None,
     }
 
 
@@ -235,7 +236,7 @@ def test_blackwell_needs_open_modules():
         ("hopper", 470, "driver-branch-unsupported"),
         ("kepler", 535, "driver-branch-unsupported"),
         ("kepler", 580, "driver-branch-unsupported"),
-        ("pascal", 550, "driver-branch-unknown"),
+        ("pascal", 545, "driver-branch-unknown"),
     ],
 )
 def test_invalid_branches(arch, branch, error):

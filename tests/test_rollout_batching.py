@@ -27,9 +27,11 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.delay = delay
         self.threads: set[str] = set()
+        self.started = threading.Event()  # a batch is running
 
     def run(self, requests, should_stop):
         self.threads.add(threading.current_thread().name)
+        self.started.set()
         self.batches.append([r.n for r in requests])
         time.sleep(self.delay)
         return [("done", r.n, should_stop()) for r in requests]
@@ -76,7 +78,9 @@ def test_requests_arriving_while_a_batch_runs_form_the_next_one():
     async def main():
         b = Batcher(rec.run, aborted, max_batch_size=64, window_s=0.01)
         first = asyncio.ensure_future(b.submit(Req(0)))
-        await asyncio.sleep(0.05)  # batch [0] is running
+        # Until batch [0] runs (a fixed sleep lost the race to the window on a loaded machine).
+        while not rec.started.is_set():
+            await asyncio.sleep(0.005)
         rest = [asyncio.ensure_future(b.submit(Req(i))) for i in (1, 2, 3)]
         await asyncio.gather(first, *rest)
 
@@ -145,7 +149,8 @@ def test_drain_waits_for_the_running_batch():
     async def main():
         b = Batcher(rec.run, aborted, max_batch_size=4, window_s=0.0)
         fut = asyncio.ensure_future(b.submit(Req(0)))
-        await asyncio.sleep(0.02)
+        while not rec.started.is_set():
+            await asyncio.sleep(0.005)
         await b.drain()
         return fut.done()
 

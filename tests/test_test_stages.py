@@ -26,7 +26,7 @@ ok:
 bad:
 \t@exit 3
 slow:
-\t@sleep 30
+\t@touch slow.started && sleep 30
 molecule:
 \t@echo "molecule/jobs 12 3 passed" >> $$OLDGPU_STAGE_TIMES
 \t@echo "molecule/fleet 7 FAILED" >> $$OLDGPU_STAGE_TIMES
@@ -97,6 +97,15 @@ def test_a_failed_side_by_side_stage_marks_the_part_and_the_pair(tmp_path):
     assert rows["(ok+bad)"][1] == "FAILED"
 
 
+def started(tmp_path: Path, proc: subprocess.Popen) -> None:
+    """Until the slow stage's own make is running (it writes slow.started): the stop
+    then lands inside the stage, however loaded the machine is."""
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "slow.started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the slow stage never started"
+        time.sleep(0.05)
+
+
 def test_a_run_stopped_from_outside_prints_the_table_with_the_stage_it_was_in(tmp_path):
     """As CI's time limit ends `make test`: a TERM to the whole process group, which make
     passes on to its children once more."""
@@ -112,16 +121,44 @@ def test_a_run_stopped_from_outside_prints_the_table_with_the_stage_it_was_in(tm
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 30
-        while "[stage] slow+ok: start" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
+        started(tmp_path, proc)
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     out = log.read_text()
     assert proc.returncode != 0
     rows = table(out)
     assert rows["ok"][1] == ""
+    assert rows["slow+ok"][1] == "stopped", out
+    assert rows["total"][1] == "FAILED"
+
+
+def test_terms_that_keep_coming_while_it_stops_do_not_cut_the_table_short(tmp_path):
+    """The race behind issue 33's flake, made likely: a TERM that arrives while the first
+    one's exit is printing the table. The table comes out once and whole."""
+    (tmp_path / "Makefile").write_text(MAKEFILE.format(stages=STAGES))
+    env = dict(os.environ, OLDGPU_CACHE=str(tmp_path / "cache"))
+    log = tmp_path / "stages.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(STAGES), "ok", "slow+ok"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        started(tmp_path, proc)
+        while proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        proc.wait(timeout=60)
+        os.killpg(proc.pid, signal.SIGKILL)  # the stage's own make, left behind by design
+    out = log.read_text()
+    assert proc.returncode == 143, out
+    assert out.count("[stage] times") == 1, out
+    rows = table(out)
     assert rows["slow+ok"][1] == "stopped", out
     assert rows["total"][1] == "FAILED"
 

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "oldgpu.patch",
     "oldgpu.doctor",
     "oldgpu.driver",
+    "oldgpu.distro",
     "oldgpu.lockcheck",
     "oldgpu.plan",
     "oldgpu.jobs",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oldgpu import pins, subcommand
+from oldgpu import kernels, pins, subcommand
 from oldgpu.output import EngineError, Result
 from oldgpu.versions import compare_versions, version_tuple
 
@@ -322,6 +322,7 @@ class Inputs:
     dkms_status: str | None = None
     header_kernels: list[str] = field(default_factory=list)
     modinfo_version: str | None = None
+    running_kernel: str | None = None
     reboot_required: bool = False
     reboot_required_by: list[str] = field(default_factory=list)
     sources: dict[str, str | None] = field(default_factory=dict)
@@ -395,6 +396,7 @@ def from_host(reboot_required_file: str = REBOOT_REQUIRED) -> Inputs:
         proc_modules=_read_host(PROC_MODULES),
         dkms_status=_run(["dkms", "status"]),
         header_kernels=header_kernels(LIB_MODULES),
+        running_kernel=os.uname().release,
     )
     for attr, where in (
         ("dpkg", "dpkg-query"),
@@ -441,6 +443,7 @@ def from_args(args: argparse.Namespace) -> Inputs:
         inputs.sources["lib_modules"] = given["lib_modules_dir"]
     if reboot_file:
         inputs.reboot_required, inputs.reboot_required_by = _reboot_required(reboot_file)
+    inputs.running_kernel = getattr(args, "running_kernel", None)
     return inputs
 
 
@@ -495,6 +498,7 @@ def report(inputs: Inputs, cuda: str | None = None) -> dict[str, Any]:
             f"STATE' (first: {unparsed[0][:120]!r})",
         )
     dkms = dkms_state(entries, inputs.header_kernels, installed["version"])
+    images, metas = kernels.parse_dpkg_kernels(inputs.dpkg or "")
     dkms.update(
         available=inputs.dkms_status is not None,
         lines=(inputs.dkms_status or "").splitlines(),
@@ -513,6 +517,14 @@ def report(inputs: Inputs, cuda: str | None = None) -> dict[str, Any]:
         "installed": installed,
         "loaded": loaded,
         "dkms": dkms,
+        "kernels": kernels.state(
+            images=images,
+            header_kernels=inputs.header_kernels,
+            dkms_kernels=dkms["kernels"],
+            running=inputs.running_kernel,
+            metapackages=metas,
+            driver_version=installed["version"],
+        ),
         "reboot": reboot_state(
             installed["version"], loaded, inputs.reboot_required, inputs.reboot_required_by
         ),
@@ -537,6 +549,7 @@ def render(r: Mapping[str, Any]) -> str:
     if dkms["kernels"]:
         states = [f"{k['kernel']} {k['state'] or 'no driver'}" for k in dkms["kernels"]]
         lines.append("dkms: " + "; ".join(states))
+    lines += kernels.render(r["kernels"])
     lines.append(
         "reboot: "
         + ("needed: " + "; ".join(reboot["reasons"]) if reboot["needed"] else "not needed")
@@ -560,6 +573,7 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"where each kernel with headers has KERNEL/build (host: {LIB_MODULES})",
     )
+    recorded.add_argument("--running-kernel", metavar="RELEASE", help="host: uname -r")
     recorded.add_argument(
         "--reboot-required-file", metavar="FILE", help=f"the flag file (host: {REBOOT_REQUIRED})"
     )

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from oldgpu import detect, pins, subcommand
+from oldgpu import detect, distro, pins, subcommand
 from oldgpu.output import EngineError, Result
 
 FLAVOURS = ("proprietary", "open")
@@ -24,6 +24,7 @@ FLAVOURS = ("proprietary", "open")
 BRANCH_FLAVOURS: dict[int, tuple[str, ...]] = {
     470: ("proprietary",),
     535: ("proprietary", "open"),
+    550: ("proprietary", "open"),
     580: ("proprietary", "open"),
 }
 
@@ -50,9 +51,11 @@ _ALL = tuple(BRANCH_FLAVOURS)
 
 # Why each decision:
 # - driver: 470 is the last branch for Kepler and still drives Maxwell..Ampere;
-#   535 and 580 drive Maxwell..Hopper, and 580 is the last for Maxwell, Pascal
-#   and Volta. Open kernel modules need Turing or newer; Blackwell needs them.
-#   The default is Debian 12's packaged 535 (470 for Kepler).
+#   535, 550 and 580 drive Maxwell..Hopper, and 580 is the last for Maxwell,
+#   Pascal and Volta. Open kernel modules need Turing or newer; Blackwell needs
+#   them. The default is Debian 12's packaged 535 (470 for Kepler); with a
+#   distribution (--distro) only its archive's branches count and its default
+#   wins where the GPUs take it (Debian 13: 550; oldgpu.distro says why).
 # - dtype: no bf16 below CC 8.0 (gate on the capability: torch's
 #   is_bf16_supported() counts emulation). fp16 is 1/64 rate on 6.1 (and 6.0 has
 #   no tensor cores), so Kepler..Pascal train in fp32. Volta and Turing have fp16
@@ -73,13 +76,13 @@ _TABLE: dict[str, tuple[Any, ...]] = {
     # arch       cc      branches         dflt  flav  dtype   attention            fallbk   rollout compile flash  vllm   # noqa: E501
     "cpu":       (None,   _ALL,            535,  _PO,  "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
     "kepler":    ("3.7",  (470,),          470,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
-    "maxwell":   ("5.2",  (470, 535, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
-    "pascal":    ("6.1",  (470, 535, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
-    "volta":     ("7.0",  (470, 535, 580), 535,  _P,   "fp16", "sdpa",              "eager", "vllm", True,   False, True),   # noqa: E501
-    "turing":    ("7.5",  (470, 535, 580), 535,  _PO,  "fp16", "sdpa",              "eager", "vllm", True,   False, True),   # noqa: E501
-    "ampere":    ("8.0",  (470, 535, 580), 535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
-    "ada":       ("8.9",  (535, 580),      535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
-    "hopper":    ("9.0",  (535, 580),      535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
+    "maxwell":   ("5.2",  (470, 535, 550, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
+    "pascal":    ("6.1",  (470, 535, 550, 580), 535,  _P,   "fp32", "sdpa",              "eager", "hf",   False,  False, False),  # noqa: E501
+    "volta":     ("7.0",  (470, 535, 550, 580), 535,  _P,   "fp16", "sdpa",              "eager", "vllm", True,   False, True),   # noqa: E501
+    "turing":    ("7.5",  (470, 535, 550, 580), 535,  _PO,  "fp16", "sdpa",              "eager", "vllm", True,   False, True),   # noqa: E501
+    "ampere":    ("8.0",  (470, 535, 550, 580), 535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
+    "ada":       ("8.9",  (535, 550, 580), 535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
+    "hopper":    ("9.0",  (535, 550, 580), 535,  _PO,  "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
     "blackwell": ("10.0", (580,),          580,  _O,   "bf16", "flash_attention_2", "sdpa",  "vllm", True,   True,  True),   # noqa: E501
 }
 # fmt: on
@@ -123,15 +126,28 @@ def select_driver(
     gpus: Sequence[Any],
     requested_branch: int | None = None,
     requested_flavour: str | None = None,
+    distro_key: str | None = None,
 ) -> dict[str, Any]:
     """The driver branch and module flavour that drive every GPU of a host.
 
     Without a request: the distro default if all GPUs take it, else the
     newest branch they share. No GPU: nothing required, ``NO_GPU_BRANCH``.
+    With ``distro_key`` (``oldgpu.distro``), only the branches and flavours its
+    archive packages, and its default first.
     """
     archs = _rows(gpus)
     rows = [row for _, row, _ in archs] or [PROFILES["cpu"]]
     common = set.intersection(*(set(row.driver_branches) for row in rows))
+    release = distro.get(distro_key) if distro_key else None
+    packaged = distro.packaged(distro_key) if distro_key else None
+    if common and release and packaged and not common & set(packaged):
+        raise EngineError(
+            "driver-branch-not-packaged",
+            f"{release.name} packages driver branches {sorted(packaged)}; this host "
+            f"({_arch_names(archs)}) needs one of {sorted(common)}",
+        )
+    if packaged is not None:
+        common &= set(packaged)
     if not common:
         support = ", ".join(
             dict.fromkeys(f"{a}: {list(row.driver_branches)}" for a, row, _ in archs)
@@ -142,6 +158,8 @@ def select_driver(
             "put them in different hosts",
         )
     defaults = sorted({row.default_branch for row in rows} & common, reverse=True)
+    if release and release.default_branch in common:
+        defaults = [release.default_branch]
     default = defaults[0] if defaults else max(common)
 
     selected = default
@@ -151,6 +169,12 @@ def select_driver(
                 "driver-branch-unknown",
                 f"driver branch {requested_branch} is not one the project installs "
                 f"({sorted(BRANCH_FLAVOURS)})",
+            )
+        if release and packaged and requested_branch not in packaged:
+            raise EngineError(
+                "driver-branch-not-packaged",
+                f"driver branch {requested_branch} is not in {release.name}'s archive "
+                f"(it packages {sorted(packaged)}); choose one of {sorted(common)}",
             )
         if requested_branch not in common:
             raise EngineError(
@@ -163,7 +187,9 @@ def select_driver(
     flavours = [
         f
         for f in FLAVOURS
-        if f in BRANCH_FLAVOURS[selected] and all(f in row.flavours for row in rows)
+        if f in BRANCH_FLAVOURS[selected]
+        and all(f in row.flavours for row in rows)
+        and (packaged is None or f in packaged[selected])
     ]
     if requested_flavour is not None:
         if requested_flavour not in FLAVOURS:
@@ -171,6 +197,12 @@ def select_driver(
                 "driver-flavour-unknown", f"{requested_flavour!r} is not one of {FLAVOURS}"
             )
         if requested_flavour not in flavours:
+            if release and packaged and all(requested_flavour in r.flavours for r in rows):
+                raise EngineError(
+                    "driver-flavour-not-packaged",
+                    f"{release.name} packages no {requested_flavour} kernel modules in step with "
+                    f"branch {selected} (it has {list(packaged[selected])})",
+                )
             if requested_flavour == "open":
                 raise EngineError(
                     "open-modules-unsupported",
@@ -198,6 +230,7 @@ def select_driver(
         "selected": selected,
         "flavours": flavours,
         "flavour": flavour,
+        "distro": release.key if release else None,
     }
 
 
@@ -372,13 +405,14 @@ def profile_for_gpus(
     gpus: Sequence[Any],
     requested_branch: int | None = None,
     requested_flavour: str | None = None,
+    distro_key: str | None = None,
 ) -> dict[str, Any]:
     """The decisions for a host: its oldest GPU's, and a driver for all of them.
 
     ``gpus`` are detect's GPUs (objects or their dicts); none gives the cpu profile.
     """
     archs = _rows(gpus)
-    driver = select_driver(gpus, requested_branch, requested_flavour)
+    driver = select_driver(gpus, requested_branch, requested_flavour, distro_key)
     if archs:
         # The table only loosens with generation (tested), so the oldest GPU
         # is the most restrictive for every decision.
@@ -429,6 +463,7 @@ def profile_for_arch(
     cc: str | None = None,
     requested_branch: int | None = None,
     requested_flavour: str | None = None,
+    distro_key: str | None = None,
 ) -> dict[str, Any]:
     """The profile of one GPU of ``arch`` (``cpu`` for none)."""
     if arch not in PROFILES:
@@ -448,13 +483,16 @@ def profile_for_arch(
             )
         cc = "{}.{}".format(*detect.cc_tuple(cc))
     if arch == "cpu":
-        return profile_for_gpus([], requested_branch, requested_flavour)
+        return profile_for_gpus([], requested_branch, requested_flavour, distro_key)
     gpu = {"architecture": arch, "compute_capability": cc or PROFILES[arch].cc}
-    return profile_for_gpus([gpu], requested_branch, requested_flavour)
+    return profile_for_gpus([gpu], requested_branch, requested_flavour, distro_key)
 
 
 def profile_for_cc(
-    cc: str, requested_branch: int | None = None, requested_flavour: str | None = None
+    cc: str,
+    requested_branch: int | None = None,
+    requested_flavour: str | None = None,
+    distro_key: str | None = None,
 ) -> dict[str, Any]:
     """The profile of one GPU of compute capability ``cc`` ("6.1")."""
     try:
@@ -464,7 +502,9 @@ def profile_for_cc(
     if arch is None:
         raise EngineError("unknown-compute-capability", f"no known architecture has CC {cc}")
     major, minor = detect.cc_tuple(cc)
-    return profile_for_arch(arch, f"{major}.{minor}", requested_branch, requested_flavour)
+    return profile_for_arch(
+        arch, f"{major}.{minor}", requested_branch, requested_flavour, distro_key
+    )
 
 
 # -- CLI --------------------------------------------------------------------------
@@ -491,14 +531,14 @@ def _text(p: Mapping[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> Result:
-    branch, flavour = args.driver_branch, args.driver_flavour
+    branch, flavour, key = args.driver_branch, args.driver_flavour, args.distro
     if args.arch:
-        prof = profile_for_arch(args.arch, None, branch, flavour)
+        prof = profile_for_arch(args.arch, None, branch, flavour, key)
     elif args.cc:
-        prof = profile_for_cc(args.cc, branch, flavour)
+        prof = profile_for_cc(args.cc, branch, flavour, key)
     else:
         report = detect.detect_from_args(args)
-        prof = profile_for_gpus(report["gpus"], branch, flavour)
+        prof = profile_for_gpus(report["gpus"], branch, flavour, key)
     return Result(payload=prof, text=_text(prof))
 
 
@@ -517,4 +557,9 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--driver-branch", type=int, metavar="N", help="driver branch wanted")
     parser.add_argument("--driver-flavour", choices=FLAVOURS, help="kernel-module flavour wanted")
+    parser.add_argument(
+        "--distro",
+        choices=sorted(distro.RELEASES),
+        help="only the driver branches this Debian release packages (oldgpu distro)",
+    )
     detect.add_source_args(parser)

@@ -173,8 +173,8 @@ def test_check_mode_changes_nothing_and_reboot_is_only_reported(host):
         (["nvidia_driver_arch=pascal", "nvidia_driver_flavour=open"], "open-modules-unsupported"),
         # 470 is Kepler's last branch; 535 does not drive it.
         (["nvidia_driver_arch=kepler", "nvidia_driver_branch=535"], "driver-branch-unsupported"),
-        # Not a branch the project installs.
-        (["nvidia_driver_branch=550"], "driver-branch-unknown"),
+        # A branch the card takes but Debian 12's archive does not package (trixie's).
+        (["nvidia_driver_branch=550"], "driver-branch-not-packaged"),
     ],
 )
 def test_bad_driver_requests_stop_with_the_engines_error(host, extra, error):

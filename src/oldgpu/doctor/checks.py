@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from oldgpu.doctor.checks_gpu import check_bf16, check_driver, check_gpu_capability
+from oldgpu.doctor.checks_kernels import CHECK_ID as KERNELS_CHECK_ID
+from oldgpu.doctor.checks_kernels import check_kernels
 from oldgpu.doctor.checks_memory import check_gpu_memory, check_host_memory
 from oldgpu.doctor.checks_topology import CHECK_ID as TOPOLOGY_CHECK_ID
 from oldgpu.doctor.checks_topology import check_topology
@@ -41,7 +43,7 @@ CHECK_IDS = (
     "bf16",
 )
 # Reported after CHECK_IDS when they apply (never counted as a skip otherwise).
-OPTIONAL_CHECK_IDS = (TOPOLOGY_CHECK_ID,)
+OPTIONAL_CHECK_IDS = (TOPOLOGY_CHECK_ID, KERNELS_CHECK_ID)
 
 
 def evaluate(
@@ -64,9 +66,9 @@ def evaluate(
         check_host_memory(facts, min_free_host_mib),
         check_bf16(facts, prof),
     ]
-    topo = check_topology(facts)
-    if topo is not None:
-        checks.append(topo)
+    for optional in (check_topology(facts), check_kernels(facts)):
+        if optional is not None:
+            checks.append(optional)
     counts = {s: sum(ch["status"] == s for ch in checks) for s in ("ok", "warn", "fail", "skip")}
     return {
         "ok": counts["fail"] == 0,

@@ -184,6 +184,16 @@ def _read_text(path: str) -> str | None:
         return None
 
 
+def kernel_facts() -> dict[str, Any] | None:
+    """Each installed kernel and whether the nvidia module is built for it (``oldgpu driver``'s
+    answer); None where dpkg is not there to say what is installed."""
+    try:
+        inputs = driver.from_host()
+        return driver.report(inputs)["kernels"] if inputs.dpkg is not None else None
+    except EngineError as exc:
+        return {"installed": [], "error": exc.name}
+
+
 def driver_facts(report: Mapping[str, Any], proc_text: str | None) -> dict[str, Any]:
     """The loaded driver's version: nvidia-smi's, else the kernel module's."""
     smi = next(
@@ -339,6 +349,7 @@ def gather_facts(
         "env": {k: os.environ.get(k) for k in ENV_KEYS},
         "verl": None,
         "topology": topology_facts(report, detect_args),
+        "kernels": kernel_facts(),
     }
     if verl_dir:
         prof, _ = resolve_profile(facts)
