@@ -6,8 +6,9 @@ stays at or under the cap; at that batch the least offload (none, critic
 optimizer, both optimizers, critic params, actor params), the largest micro batches
 with gradient checkpointing, and then (LoRA) checkpointing off where a micro batch at
 least half as large fits without it (its recompute is about a sixth of an update's
-math, which a P40's fp32 rate makes the step's largest part). A LoRA job's ``base_dtype`` auto is fp32
-when that plan fits and bf16 (the frozen base at 16 bits) when only that one does.
+math, which a P40's fp32 rate makes the step's largest part). A LoRA job's
+``base_dtype`` auto is fp32 when that plan fits and bf16 (the frozen base at 16 bits)
+when only that one does.
 Batch sizes divide as verl asserts: ``train_batch_size`` is a multiple of
 ``ppo_mini_batch_size``, itself a multiple of micro batch x GPUs.
 """
