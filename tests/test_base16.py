@@ -34,23 +34,38 @@ def test_the_actor_build_keeps_buffers_and_wraps_the_embeddings(verl_tree: Path,
     assert wrapped[0].endswith(", actor_module)")
 
 
-# Run inside a cpu-patched tree: verl's own wrap policy and the compat helpers, peft and
-# FSDP1 as verl builds the LoRA actor, once with the fp32 base (rounded to bf16, so both
-# hold the same numbers) and once stored at bf16, under the P40 guard (device cpu) with
-# bf16 allowed as storage only. Prints one JSON line.
-TWINS = r"""
+# What both scripts below start with: this checkout's engine on the path, torch, peft,
+# transformers and the patched tree's helpers, one gloo process group, a fixed seed.
+PRELUDE = r"""
 import copy, functools, json, os, sys
 sys.path.insert(0, __SRC__)
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
 from peft import LoraConfig, TaskType, get_peft_model
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from verl.utils import oldgpu_compat
 from verl.utils.fsdp_utils import get_fsdp_wrap_policy
 from oldgpu import guard
 
 dist.init_process_group("gloo", init_method="file://" + __PG__, rank=0, world_size=1)
 torch.manual_seed(0)
+"""
+
+
+def script(body: str, tmp_path: Path, **values: str) -> str:
+    """PRELUDE + body with the placeholders filled in (__SRC__, __PG__ and ``values``)."""
+    text = (PRELUDE + body).replace("__SRC__", repr(str(SITE_DIR.parents[1])))
+    text = text.replace("__PG__", repr(str(tmp_path / "pg")))
+    for key, value in values.items():
+        text = text.replace(f"__{key}__", repr(value))
+    return text
+
+
+# Run inside a cpu-patched tree: verl's own wrap policy and the compat helpers, peft and
+# FSDP1 as verl builds the LoRA actor, once with the fp32 base (rounded to bf16, so both
+# hold the same numbers) and once stored at bf16, under the P40 guard (device cpu) with
+# bf16 allowed as storage only. Prints one JSON line.
+TWINS = r"""
 cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=160, vocab_size=300,
                   max_position_embeddings=512, tie_word_embeddings=False)
@@ -120,9 +135,7 @@ dist.destroy_process_group()
 def test_a_16bit_base_computes_like_its_fp32_twin(verl_tree: Path, tmp_path: Path, capsys) -> None:
     code, doc = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert code == 0, doc
-    script = TWINS.replace("__SRC__", repr(str(SITE_DIR.parents[1])))
-    script = script.replace("__PG__", repr(str(tmp_path / "pg")))
-    proc = run_in_tree(verl_tree, script)
+    proc = run_in_tree(verl_tree, script(TWINS, tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     # Stored at 16 bits (the adapters fp32), computed in fp32, buffers untouched:
@@ -145,18 +158,7 @@ def test_a_16bit_base_computes_like_its_fp32_twin(verl_tree: Path, tmp_path: Pat
 # then the patched .to, peft and FSDP with its embedding units), read back from FSDP:
 # every base weight has the checkpoint's bits.
 ROUND_TRIP = r"""
-import json, sys
-sys.path.insert(0, __SRC__)
-import torch, torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
-from peft import LoraConfig, TaskType, get_peft_model
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-from verl.utils import oldgpu_compat
-from verl.utils.fsdp_utils import get_fsdp_wrap_policy
-
-dist.init_process_group("gloo", init_method="file://" + __PG__, rank=0, world_size=1)
-torch.manual_seed(0)
 cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=160, vocab_size=300,
                   tie_word_embeddings=True, torch_dtype="bfloat16")
@@ -185,10 +187,7 @@ dist.destroy_process_group()
 def test_a_bf16_checkpoint_round_trips_bit_for_bit(verl_tree: Path, tmp_path: Path, capsys) -> None:
     code, doc = patch_cli(capsys, str(verl_tree), "--profile", "cpu")
     assert code == 0, doc
-    script = ROUND_TRIP.replace("__SRC__", repr(str(SITE_DIR.parents[1])))
-    script = script.replace("__PG__", repr(str(tmp_path / "pg")))
-    script = script.replace("__DIR__", repr(str(tmp_path / "ckpt")))
-    proc = run_in_tree(verl_tree, script)
+    proc = run_in_tree(verl_tree, script(ROUND_TRIP, tmp_path, DIR=str(tmp_path / "ckpt")))
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["saved"] > 0 and r["bit_identical"] == r["saved"], r
