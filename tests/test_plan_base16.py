@@ -62,6 +62,10 @@ def test_auto_keeps_fp32_where_it_fits_and_16_bits_need_lora() -> None:
     fp32 = plan.plan(lora7b(shape=plan.SHAPES["qwen2.5-3b"], base_dtype="fp32"))
     bf16 = plan.plan(replace(fp32.inputs, base_dtype="bf16"))
     assert bf16.choice.train_batch_size >= fp32.choice.train_batch_size
+    # a tied base (3B) is untied at 16 bits: the lm_head's frozen copy is counted too
+    s3 = plan.SHAPES["qwen2.5-3b"]
+    want = ((s3.params() + s3.embedding_params()) * 2 + bf16.inputs.adapter_params * 4) / plan.MIB
+    assert bf16.phases["actor_update"].resident["actor_weights"] == pytest.approx(want)
 
 
 def test_largest_on_a_p40_names_the_7b_shape_for_grpo_lora(capsys, monkeypatch) -> None:

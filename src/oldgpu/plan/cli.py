@@ -96,8 +96,7 @@ def _recipe_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha,
         "lora_target_modules": modules,
-        # auto stays fp32 without LoRA; fp32 unless asked: a 16-bit base needs LoRA
-        "base_dtype": args.base_dtype if args.lora_rank or args.base_dtype != "auto" else "fp32",
+        "base_dtype": args.base_dtype,  # auto: the search's (fp32 without LoRA)
     }
 
 

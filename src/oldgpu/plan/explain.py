@@ -138,9 +138,9 @@ def _recipe_reasons(found: Plan) -> dict[str, str]:
             "the input" if inp.lora_target_modules else "every linear layer of the decoder"
         )
         upd = found.phases["actor_update"]
-        given = inp.base_dtype if inp.base16 else "fp32"
-        r[BASE_DTYPE_KEY] = (
-            f"the frozen base stored at {given} ({upd.resident.get('actor_weights', 0):.0f} MiB), "
+        r[BASE_DTYPE_KEY] = (  # its override exists only for a 16-bit base
+            f"the frozen base stored at {inp.base_dtype} "
+            f"({upd.resident.get('actor_weights', 0):.0f} MiB), "
             f"computed in {inp.compute_dtype}: FSDP upcasts a unit at a time "
             f"({upd.resident.get('actor_fp32_units', 0):.0f} MiB at once); "
             + ("the input" if not inp.base_auto else "the fp32 base does not fit")

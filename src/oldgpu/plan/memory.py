@@ -353,6 +353,16 @@ def unit_params(s: ModelShape, per_layer_extra: int = 0, lm_head: bool = True) -
 BASE16_BYTES = 2
 
 
+def base_weight_bytes(inp: Inputs) -> float:
+    """The model's own weights: at master precision, or a LoRA base stored at 16 bits, whose
+    tied embeddings get a second (frozen) copy for the lm_head (compat_base16.py)."""
+    s = inp.shape
+    if not inp.base16:
+        return s.params() * inp.precision.master
+    untied = s.embedding_params() if s.tie_word_embeddings else 0
+    return (s.params() + untied) * BASE16_BYTES
+
+
 def base16_units(s: ModelShape) -> int:
     """The weights a 16-bit base holds upcast at once: two decoder layers (the one
     computing, the one prefetched), or its embeddings' unit or an untied lm_head's."""
@@ -397,10 +407,9 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     critic_phase = phase in ("critic_values", "critic_update")
 
     res: dict[str, float] = {}
-    # A 16-bit base (base_dtype): the frozen weights at 2 bytes, the adapters at master.
-    actor_bytes = (
-        s.params() * BASE16_BYTES + inp.adapter_params * p.master if inp.base16 else pa * p.master
-    )
+    # The actor's frozen (or, without LoRA, trained) weights and its adapters.
+    base_bytes = base_weight_bytes(inp)
+    actor_bytes = base_bytes + inp.adapter_params * p.master
     if actor_phase or not (off.actor_param and frees):
         res["actor_weights"] = _mib(actor_bytes / n)
     if phase == "actor_update" or not (off.actor_optimizer and cuda):
@@ -531,7 +540,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         context += CUDA_CONTEXT_MIB  # the server's own
     frozen = 0.0
     if lora and cuda and "actor_weights" in res:
-        frozen = _mib(s.params() * (BASE16_BYTES if inp.base16 else p.master) / n)
+        frozen = _mib(base_bytes / n)
     return PhaseEstimate(res, moments, common, context, reserve_factor(inp), frozen)
 
 
