@@ -119,8 +119,10 @@ def plan_base_dtype(version: str, base_dtype: str) -> str:
     """The base dtype the planner may use for ``version``: a newer release's rollout
     server loads a weight copy of its own in fp32, so a 16-bit base (a LoRA job's
     base_dtype) is 0.5.0's for now; auto plans fp32 there, bf16/fp16 are refused."""
-    if version == default() or base_dtype in ("auto", "fp32"):
-        return "fp32" if version != default() else base_dtype
+    if version == default():
+        return base_dtype
+    if base_dtype in ("auto", "fp32"):
+        return "fp32"
     raise EngineError(
         "verl-version-unsupported",
         f"base_dtype {base_dtype} with verl {version} is not provided: its {ROLLOUT_NAME} "
