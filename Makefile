@@ -41,7 +41,8 @@ lint: bootstrap
 # vllm.lock's wheels too: tests/test_vllm_env.py builds the V100/T4 hosts' venv from them.
 unit: bootstrap
 	@scripts/wheelhouse.sh files/requirements/vllm.lock
-	@venv=$$(scripts/engine-venv.sh) && cd $(CURDIR) && \
+	@venv=$$(scripts/engine-venv.sh) && VERL09_VENV=$$(scripts/verl09-venv.sh) && \
+	  export VERL09_VENV && cd $(CURDIR) && \
 	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # The flake, offline: every .nix file parsed, the outputs evaluated (and the
@@ -71,7 +72,8 @@ prepare: bootstrap
 	scripts/verl-mirror.sh >/dev/null & mirror=$$!; \
 	if scripts/wheelhouse.sh && scripts/wheelhouse.sh files/requirements/vllm.lock && \
 	  (for lock in $(RELEASE_LOCKS); do scripts/wheelhouse.sh "$$lock" || exit 1; done) && \
-	  scripts/verl-sdists.sh && scripts/cuda-wheels.sh && scripts/engine-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
+	  scripts/verl-sdists.sh && scripts/cuda-wheels.sh && scripts/engine-venv.sh >/dev/null && \
+	  scripts/verl09-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
 	wait $$image || rc=1; wait $$mirror || rc=1; exit $$rc
 
 # Each stage timed (scripts/test-stages.sh prints a table at the end). unit+molecule:
