@@ -50,6 +50,8 @@ SITES = {  # patch name -> (file, function) of each site
     "hf-config-attn-default": [(MODEL_CONFIG, "HFModelConfig.__post_init__")],
     "attn-implementation": [(MODEL_UTILS, "load_valuehead_model")] * 2,
     "flash-attn-import-guard": [(ATTENTION_UTILS, "_get_attention_functions")],
+    # the logits set (tests/test_patch_logits_verl09.py): the engine's inputs and outputs
+    "response-logits": [(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step")] * 2,
 }
 COMPUTE_DTYPE = "oldgpu_compat.compute_dtype()"
 ATTN = "oldgpu_compat.attn_implementation()"
