@@ -173,22 +173,36 @@ def test_the_field_round_trips_through_the_env_file(job_dir):
     assert jobs.job_from_env(jobs.parse_env(text)).verl_version == NEWER
 
 
-def test_the_planner_counts_the_newer_releases_logits_and_rollout_copy(job_dir):
-    """0.9.0 computes verl's own logits (no logits patch set) and its rollout server holds a
-    second copy of the weights while it generates: smaller micro batches, at one batch."""
+def test_the_newer_release_gets_the_same_micro_batches(job_dir):
+    """0.9.0's tree has the logits patch set too (verl_0_9_0/logits.py: the response's
+    logits only, log-probs and entropy by rows), so the planner counts its logits as
+    0.5.0's: a GRPO job of Qwen2.5-0.5B on a P40 gets the same micro batches from both;
+    only the rollout server's copy of the weights is 0.9.0's own."""
     grpo = {"algorithm": "grpo", "rollout_n": 4, "train_batch_size": 32}
     old, new = (overrides_of(compose(job_dir, **grpo, verl_version=v)) for v in ("", NEWER))
     for key in (
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     ):
-        assert int(new[key]) < int(old[key]), key
-    fields = verl_release.plan_fields(NEWER)
-    assert fields == {"logits_patch": False, "rollout_copy": True}
+        assert int(new[key]) == int(old[key]), key
+    assert verl_release.plan_fields(NEWER) == {"logits_patch": True, "rollout_copy": True}
     assert verl_release.plan_fields(verl_release.default()) == {
         "logits_patch": True,
         "rollout_copy": False,
     }
+    # a release without the patch set computes verl's own logits (every position)
+    assert verl_release.plan_fields("0.8.0")["logits_patch"] is False
+
+
+def test_without_the_logits_patch_set_the_micro_batches_shrink():
+    """What the logits patch set is worth to the plan: verl's own logits (every position,
+    log-probs and entropy over whole micro batches) leave less room for the micro batch."""
+    base = plan_inputs(critic=False, rollout_n=4, rollout_copy=True, target_train_batch=32)
+    patched = plan.plan(base)
+    own = plan.plan(dataclasses.replace(base, logits_patch=False))
+    assert own.choice.actor_micro < patched.choice.actor_micro
+    assert own.choice.log_prob_micro < patched.choice.log_prob_micro
 
 
 def test_the_rollout_server_generates_beside_what_the_trainer_keeps():

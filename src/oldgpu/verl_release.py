@@ -28,6 +28,8 @@ from oldgpu.output import EngineError
 # The rollout server a Pascal job of a newer release uses (oldgpu.verl_plugin.registry).
 ROLLOUT_NAME = "oldgpu-hf"
 PLUGIN_MODULE = "oldgpu.verl_plugin.hook"
+# The patch a release's logits patch set is known by (verl_0_5_0/logits.py, verl_0_9_0/logits.py).
+LOGITS_PATCH = "response-logits"
 # 0.5.0's keys that 0.9.0 moved; an override of the old key is rewritten. The custom reward
 # function: 0.9.0 copies the top-level key over only in its fully-async trainer
 # (migrate_legacy_reward_impl); the legacy trainer reads reward.custom_reward_function
@@ -172,11 +174,14 @@ def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
 
 
 def plan_fields(version: str) -> dict[str, bool]:
-    """What the planner counts differently for ``version``: 0.5.0's tree has the logits
-    patch set; a newer release computes verl's own logits, and its rollout server holds
-    its own copy of the weights while it generates."""
-    newer = version != default()
-    return {"logits_patch": not newer, "rollout_copy": newer}
+    """What the planner counts differently for ``version``: whether its tree has the
+    logits patch set (the response's logits only, log-probs and entropy by rows: the
+    patcher's registry says; 0.5.0's and 0.9.0's have it), and whether its rollout server
+    holds its own copy of the weights while it generates (a newer release's)."""
+    from oldgpu.patch.registry import registry
+
+    logits = any(p.name == LOGITS_PATCH and version in p.versions for p in registry())
+    return {"logits_patch": logits, "rollout_copy": version != default()}
 
 
 def translate(version: str, overrides: Sequence[str]) -> list[str]:

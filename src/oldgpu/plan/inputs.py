@@ -40,8 +40,9 @@ class Inputs:
     base_dtype: str = "fp32"
     base_auto: bool = False  # the search chose base_dtype (it was auto)
     # The verl release (oldgpu.verl_release.plan_fields): its tree has the logits patch
-    # set (response-logits, entropy-by-rows; 0.5.0's), and its rollout server holds a
-    # copy of the weights of its own while it generates (0.9.0's oldgpu-hf).
+    # set (the response's logits only, log-probs and entropy by rows; 0.5.0's and 0.9.0's),
+    # and its rollout server holds a copy of the weights of its own while it generates
+    # (0.9.0's oldgpu-hf).
     logits_patch: bool = True
     rollout_copy: bool = False
     # Who asks (plan/spelling.py): ``plan`` (oldgpu plan's flags) or ``job`` (a job's
