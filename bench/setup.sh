@@ -186,6 +186,13 @@ if [[ $cpu != 1 ]]; then
   PYTHONPATH=$root/src "$PYTHON" -m oldgpu patch "$env_dir/verl-tree-volta" --profile volta \
     >"$rec/patch-volta.txt" 2>&1 || { say "oldgpu patch --profile volta failed"; cat "$rec/patch-volta.txt" >&2; exit 2; }
   sed 's/^/[setup] volta tree: /' "$rec/patch-volta.txt" >&2
+  # Each newer release's tree likewise (pascal, as packed): a carry packed before a patch
+  # set changed (0.9.0's logits set) gets this checkout's; as packed, nothing changes.
+  for v in $( ((use_carry)) && releases); do
+    PYTHONPATH=$root/src "$PYTHON" -m oldgpu patch "$env_dir/verl-tree-$v" --profile pascal \
+      >"$rec/patch-$v.txt" 2>&1 || { say "oldgpu patch of verl $v failed"; cat "$rec/patch-$v.txt" >&2; exit 2; }
+    sed "s/^/[setup] verl $v tree: /" "$rec/patch-$v.txt" >&2
+  done
 fi
 {
   echo "date: $(date -u +%FT%TZ)"
