@@ -200,6 +200,12 @@ SETTINGS: dict[str, Setting] = {
             env=VERLS_OWN_LOGITS,
         ),
         Setting("grpo", "GRPO at the planner's batch", job=dict(GRPO)),
+        Setting(
+            "grpo-09",
+            "GRPO at the planner's batch, verl 0.9.0 (oldgpu-hf generating in the trainer's "
+            "process; grpo's twin for issue 32)",
+            job={**GRPO, **NEWER},
+        ),
         Setting("grpo-lora", "GRPO + LoRA at the planner's batch", job={**GRPO, **LORA}),
         Setting(
             "grpo-lora-1p5b",
