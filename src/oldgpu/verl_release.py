@@ -118,17 +118,18 @@ def check_settings(version: str, rollout: str | None, cluster: str) -> None:
 
 
 def plan_base_dtype(version: str, base_dtype: str) -> str:
-    """The base dtype the planner may use for ``version``: a newer release's rollout
-    server loads a weight copy of its own in fp32, so a 16-bit base (a LoRA job's
-    base_dtype) is 0.5.0's for now; auto plans fp32 there, bf16/fp16 are refused."""
+    """The base dtype the planner may use for ``version``: a 16-bit base (a LoRA job's
+    base_dtype) needs 0.5.0's base16 patch set (parameters only cast, the embeddings and
+    lm_head in units of their own), which 0.9.0's engine does not have yet; auto plans
+    fp32 there, bf16/fp16 are refused."""
     if version == default():
         return base_dtype
     if base_dtype in ("auto", "fp32"):
         return "fp32"
     raise EngineError(
         "verl-version-unsupported",
-        f"base_dtype {base_dtype} with verl {version} is not provided: its {ROLLOUT_NAME} "
-        "server keeps an fp32 copy of the weights of its own; a 16-bit base runs verl "
+        f"base_dtype {base_dtype} with verl {version} is not provided: its engine has no "
+        "base16 patch set yet (16-bit storage with fp32 compute); a 16-bit base runs verl "
         f"{default()} (verl_version {default()})",
     )
 
