@@ -1,6 +1,7 @@
-"""The Pascal rollout's model side on a tiny random Qwen2, on the CPU: batched HF
-``generate`` with per-row settings, log-probs that are those of the distribution each
-token was drawn from, and weights copied in from the trainer."""
+"""The Pascal rollout's model side on a tiny random Qwen2, on the CPU: the batched decode
+loop with per-row settings, log-probs that are those of the distribution each token was
+drawn from, and weights copied in from the trainer. (Sampling settings and the decode
+loop's compute: test_rollout_decode.py.)"""
 
 from __future__ import annotations
 
@@ -134,9 +135,15 @@ def test_abort_stops_after_the_current_token():
     assert len(o.token_ids) == 1 and o.stop_reason == ABORTED
 
 
-def test_one_batch_one_eos_setting():
-    with pytest.raises(ValueError, match="batch key"):
-        generator().generate([req([1, 2]), req([3, 4], ignore_eos=True)])
+def test_rows_with_and_without_ignore_eos_share_a_batch():
+    model = tiny_model()
+    first = generator(model, eos=()).generate([req(PROMPTS[0], 4, temperature=0.0)])[0]
+    eos = first.token_ids[0]
+    out = generator(model, eos=(eos,)).generate(
+        [req(PROMPTS[0], 4, temperature=0.0), req(PROMPTS[0], 4, temperature=0.0, ignore_eos=True)]
+    )
+    assert out[0].token_ids == [eos]
+    assert out[1].token_ids == first.token_ids
 
 
 def test_weights_from_the_trainer_replace_the_models():
