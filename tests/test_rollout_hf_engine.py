@@ -176,3 +176,29 @@ def test_a_shape_mismatch_is_refused():
     rollout = generator()
     with pytest.raises(ValueError, match="embed_tokens"):
         rollout.load_weights([("model.embed_tokens.weight", torch.zeros(3, 3))])
+
+
+def test_a_module_the_trainer_owns_fsdp_wrapped_or_summoned(tmp_path):
+    """The generator takes the trainer's policy as it is: the FSDP root itself, or its
+    inner module under ``summon_full_params(writeback=False, recurse=False)``."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    requests = [req(p, 6, temperature=0.0) for p in PROMPTS]
+    expected = [o.token_ids for o in generator(tiny_model(), eos=()).generate(requests)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        policy = FSDP(
+            tiny_model(),
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
+            use_orig_params=True,
+        )
+        assert [o.token_ids for o in generator(policy, eos=()).generate(requests)] == expected
+        with FSDP.summon_full_params(policy, writeback=False, recurse=False):
+            inner = generator(policy.module, eos=()).generate(requests)
+        assert [o.token_ids for o in inner] == expected
+    finally:
+        dist.destroy_process_group()
