@@ -78,6 +78,7 @@ class _Rows:
         self.any_top_k = any(r.top_k > 0 for r in requests)
         self.any_top_p = any(r.top_p < 1.0 for r in requests)
         self.any_min = any(r.min_tokens > 0 for r in requests)
+        self._flags()
         self.ends = [stop_ids(r, eos_ids) for r in requests]
         # (rows, most stop ids) padded with `vocab` (a column past the vocabulary).
         width = max((len(e) for e in self.ends), default=0)
@@ -94,6 +95,12 @@ class _Rows:
             self.generators.append(g)
         self.seen: torch.Tensor | None = None  # (rows, vocab) bool: prompt and output
         self.counts: torch.Tensor | None = None  # (rows, vocab) output counts
+
+    def _flags(self) -> None:
+        # What the rows still running need (recomputed as rows leave).
+        self.all_greedy = all(r.greedy for r in self.requests)
+        self.any_greedy = any(r.greedy for r in self.requests)
+        self.any_temperature = any(not r.greedy and r.temperature != 1.0 for r in self.requests)
 
     def keep(self, index: torch.Tensor, rows: list[int]) -> None:
         for name in (
@@ -115,6 +122,7 @@ class _Rows:
         self.requests = [self.requests[i] for i in rows]
         self.ends = [self.ends[i] for i in rows]
         self.generators = [self.generators[i] for i in rows]
+        self._flags()
 
 
 def _seen_mask(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -158,22 +166,22 @@ def process(logits: torch.Tensor, rows: _Rows, step: int) -> torch.Tensor:
         counts = rows.counts.to(scores.dtype)
         scores = scores - rows.frequency[:, None] * counts
         scores = scores - rows.presence[:, None] * (counts > 0).to(scores.dtype)
-    temps = torch.where(rows.greedy, torch.ones_like(rows.temperature), rows.temperature)
-    scores = scores / temps[:, None]
+    if rows.any_temperature:  # dividing by 1 is a vocabulary-wide pass for nothing
+        temps = torch.where(rows.greedy, torch.ones_like(rows.temperature), rows.temperature)
+        scores = scores / temps[:, None]
     if rows.any_top_k or rows.any_top_p:
         scores = _top_k_top_p(scores, rows)
     return scores
 
 
-def sample(scores: torch.Tensor, rows: _Rows) -> torch.Tensor:
+def sample(scores: torch.Tensor, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row: greedy rows their argmax, seeded rows from their own
-    generator, the rest from torch's global one (as HF's ``multinomial`` sampling)."""
-    greedy_all = bool(rows.greedy.all())
-    best = scores.argmax(dim=-1)
-    if greedy_all:
-        return best
+    generator, the rest from torch's global one (as HF's ``multinomial`` sampling).
+    Also the probabilities drawn from (None when every row is greedy)."""
+    if rows.all_greedy:
+        return scores.argmax(dim=-1), None
     probs = scores.softmax(dim=-1)
-    tokens = best.clone()
+    tokens = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
     seeded = [i for i, g in enumerate(rows.generators) if g is not None]
     if len(seeded) < len(rows.generators):
         if seeded:
@@ -185,11 +193,20 @@ def sample(scores: torch.Tensor, rows: _Rows) -> torch.Tensor:
             tokens = torch.multinomial(probs, 1).squeeze(1)
     for i in seeded:
         tokens[i] = torch.multinomial(probs[i : i + 1], 1, generator=rows.generators[i])[0, 0]
-    return torch.where(rows.greedy, best, tokens)
+    if rows.any_greedy:  # (a vocabulary-wide pass: only when some row needs it)
+        tokens = torch.where(rows.greedy, scores.argmax(dim=-1), tokens)
+    return tokens, probs
 
 
-def _token_log_probs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    # log softmax at the sampled tokens only: no second (rows, vocab) tensor.
+def _token_log_probs(
+    scores: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor | None
+) -> torch.Tensor:
+    if probs is not None:
+        # The softmax sampled from is at hand: its log at the drawn tokens is exact to
+        # float rounding (a drawn token's probability is far above underflow), and saves
+        # a vocabulary-wide pass per step.
+        return probs.gather(1, tokens[:, None]).squeeze(1).log()
+    # log softmax at the given tokens only: no second (rows, vocab) tensor.
     return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
 
 
@@ -239,10 +256,13 @@ def decode(
     longest = max(r.max_tokens for r in requests)
     for step in range(longest):
         scores = process(logits, rows, step)
-        tok = sample(scores, rows)
+        tok, probs = sample(scores, rows)
         want_lp = any(r.logprobs for r in rows.requests)
         if want_lp:
-            lp = _token_log_probs(logits if raw else scores, tok).tolist()
+            lp = (
+                _token_log_probs(logits, tok, None) if raw else _token_log_probs(scores, tok, probs)
+            ).tolist()
+        del probs
         tok_list = tok.tolist()
         stopping = should_stop()
         done: list[int] = []
