@@ -124,12 +124,13 @@ def test_unseeded_sampling_is_hfs_for_a_fixed_global_seed():
     # The same draws as the HF-generate rollout before (torch.multinomial over the batch's
     # softmax): rows that run to the end, so none leaves the batch early.
     model = tiny_model()
-    prompts = [PROMPTS[0], [13, 14, 15, 16, 17]]
+    prompts = [PROMPTS[0], [13, 14, 15]]  # left-padded by two
     torch.manual_seed(5)
     ours = generator(model, eos=()).generate([req(p, 7, temperature=0.7) for p in prompts])
     torch.manual_seed(5)
     ref = model.generate(
-        torch.tensor(prompts),
+        torch.tensor([PROMPTS[0], [PAD, PAD, 13, 14, 15]]),
+        attention_mask=torch.tensor([[1] * 5, [0, 0, 1, 1, 1]]),
         do_sample=True,
         temperature=0.7,
         top_k=0,
