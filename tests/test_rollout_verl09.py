@@ -124,6 +124,7 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
         from verl.workers.config import RolloutConfig
         from verl.workers.rollout.replica import RolloutMode, TokenOutput
         from oldgpu.rollout.adapter import buckets
+        from oldgpu.rollout.sampling import SamplingUnsupported
         from oldgpu.rollout.server import HFRolloutServer
 
         model_path = {str(assets / "model")!r}
@@ -150,6 +151,18 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
                 prompt_ids=[1, 10, 11, 12], request_id="g",
                 sampling_params=dict(temperature=0, top_p=1.0, top_k=-1, logprobs=False))
             stats = await server.stats()
+            refused = []
+            for bad in ({{"n": 2}}, {{"stop": ["</answer>"]}}, {{"logit_bias": {{}}}}):
+                try:
+                    await server.generate(prompt_ids=[1, 2], request_id="x", sampling_params=bad)
+                except SamplingUnsupported as exc:
+                    refused.append(exc.key)
+            # full_determinism: a per-replica seed, as vLLM's server: same prompt, same answer
+            server.config.full_determinism = True
+            seeded = [await server.generate(prompt_ids=[1, 10, 11, 12], request_id=str(i),
+                                            sampling_params=dict(params)) for i in range(2)]
+            stats["refused"] = refused
+            stats["seeded_equal"] = seeded[0].token_ids == seeded[1].token_ids
             return sent, outs, greedy, stats
 
         sent, outs, greedy, stats = asyncio.run(main())
@@ -174,6 +187,8 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
     assert doc["reasons"] == ["completed"]
     assert doc["greedy_log_probs"] is None
     assert doc["stats"]["largest_batch"] == 5  # the five arrived together: one batch
+    assert doc["stats"]["refused"] == ["n", "stop", "logit_bias"]
+    assert doc["stats"]["seeded_equal"]
 
 
 @needs_venv
