@@ -197,8 +197,15 @@ def test_a_module_the_trainer_owns_fsdp_wrapped_or_summoned(tmp_path):
             use_orig_params=True,
         )
         assert [o.token_ids for o in generator(policy, eos=()).generate(requests)] == expected
+        root_calls = []
+        policy.register_forward_pre_hook(lambda m, a: root_calls.append(1))
         with FSDP.summon_full_params(policy, writeback=False, recurse=False):
             inner = generator(policy.module, eos=()).generate(requests)
+            # The root handed in as is (the colocated rollout's way): its forward may not
+            # start inside the summon, so the generator calls the module it wraps.
+            root = generator(policy, eos=()).generate(requests)
+        assert root_calls == []
         assert [o.token_ids for o in inner] == expected
+        assert [o.token_ids for o in root] == expected
     finally:
         dist.destroy_process_group()

@@ -45,6 +45,18 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def forward_module(model: torch.nn.Module) -> torch.nn.Module:
+    """What to call: the module itself, except an FSDP1 root whose parameters the caller
+    summoned (``summon_full_params``, the colocated rollout's way): the root's own
+    forward may not run inside the summon (its post-forward reshards what the summon
+    holds), so the module it wraps is called, as HF ``generate`` reached it through
+    FSDP's attribute forwarding; its nested FSDP units unshard themselves."""
+    state = getattr(model, "training_state", None)
+    if getattr(state, "name", None) == "SUMMON_FULL_PARAMS":
+        return model.module
+    return model
+
+
 def keeps_last_logits_only(model: torch.nn.Module) -> dict[str, int]:
     """The forward kwarg that computes the last position's logits only (the prefill's
     full ``(rows, prompt, vocab)`` logits would dwarf the KV cache)."""
@@ -234,6 +246,7 @@ def decode(
 ) -> list[Generated]:
     """Generate every request's response (in order)."""
     eos_ids = list(eos_ids)
+    model = forward_module(model)
     ids, mask = left_padded(requests, pad_token_id, device)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     extra = keeps_last_logits_only(model)
