@@ -175,6 +175,19 @@ def test_settings_must_be_positive():
     for kw in ({"budget": 0}, {"max_rows": 0}, {"timeout_s": 0}):
         with pytest.raises(ValueError):
             make(lambda r, s: r, **kw)
+    with pytest.raises(ValueError, match="needs a bound"):
+        Batcher(lambda r, s: r, aborted)
+
+
+def test_rows_alone_bound_a_batch_under_the_earlier_name():
+    rec = Recorder()
+
+    async def main():
+        b = Batcher(rec.run, aborted, max_batch_size=4, window_s=0.05)
+        return await asyncio.gather(*[b.submit(Req(i, size=1000)) for i in range(6)])
+
+    asyncio.run(main())
+    assert [len(batch) for batch in rec.batches] == [4, 2]
 
 
 def test_no_fixed_row_cap_only_the_token_budget():

@@ -71,12 +71,18 @@ class Batcher(Generic[Q, R]):
         run: RunBatch,
         aborted: Callable[[Q], R],
         *,
-        max_batch_tokens: int,
-        cost: Callable[[Sequence[Q]], int],
+        max_batch_tokens: int | None = None,
+        cost: Callable[[Sequence[Q]], int] = len,
         max_rows: int | None = None,
         window_s: float = 0.02,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_batch_size: int | None = None,
     ) -> None:
+        # max_batch_size: the earlier name of max_rows (callers written against it).
+        max_rows = max_batch_size if max_rows is None else max_rows
+        if max_batch_tokens is None and max_rows is None:
+            raise ValueError("a batch needs a bound: max_batch_tokens or max_rows")
+        max_batch_tokens = (1 << 62) if max_batch_tokens is None else max_batch_tokens
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected >= 1")
         if max_rows is not None and max_rows < 1:
