@@ -1,9 +1,10 @@
 # --- a LoRA actor's frozen base stored at 16 bits, computed in fp32 ---
 # ``oldgpu patch`` appends this to verl/utils/oldgpu_compat.py for every profile; the
-# sites of verl_0_5_0/base16.py and verl_0_9_0/base16.py call it. A job's base_dtype (bf16 or fp16) is verl's
-# actor ``fsdp_config.model_dtype``: the weights are loaded and kept at 16 bits, and FSDP's
-# MixedPrecision(param_dtype=fp32) upcasts one unit at a time just in time for its
-# forward and frees the copy after it (the adapters stay fp32: peft upcasts them). Two
+# sites of verl_0_5_0/base16.py and verl_0_9_0/base16.py call it. A job's base_dtype
+# (bf16 or fp16) is verl's actor ``fsdp_config.model_dtype``: the weights are loaded and
+# kept at 16 bits, and FSDP's MixedPrecision(param_dtype=fp32) upcasts one unit at a time
+# just in time for its forward and frees the copy after it (the adapters stay fp32: peft
+# upcasts them; on 0.9.0, adapter_cast_dtype keeps them so). Two
 # things keep that exact and small: verl's ``module.to(dtype)`` would round the float32
 # buffers too (the rotary inv_freq: a position's angle drifts), so only the parameters
 # move; and the embeddings and the lm_head get FSDP units of their own, since the root
