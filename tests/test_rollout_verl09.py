@@ -128,8 +128,10 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
         from oldgpu.rollout.server import HFRolloutServer
 
         model_path = {str(assets / "model")!r}
+        # weights=copy: the server's own model, filled through the adapter's buckets
         config = RolloutConfig(name="oldgpu-hf", tensor_model_parallel_size=1,
-                               prompt_length=32, response_length=8, load_format="dummy")
+                               prompt_length=32, response_length=8, load_format="dummy",
+                               engine_kwargs={{"oldgpu-hf": {{"weights": "copy"}}}})
         model_config = OmegaConf.create({{"path": model_path}})
 
         async def main():

@@ -129,8 +129,10 @@ def test_what_the_newer_release_cannot_run_is_a_config_error(job_dir, extra, why
         {"profile": "pascal", "algorithm": "grpo", "rollout_n": 4, "lora_rank": 8,
          "lora_target_modules": ["q_proj", "v_proj"]},
         {"profile": "cpu", "algorithm": "grpo", "rollout_n": 2, "train_batch_size": 4},
+        {"profile": "pascal", "algorithm": "grpo", "rollout_n": 4, "lora_rank": 8,
+         "lora_target_modules": ["q_proj", "v_proj"], "base_dtype": "bf16"},
     ],
-    ids=["pascal-gae", "pascal-grpo-lora", "cpu-grpo"],
+    ids=["pascal-gae", "pascal-grpo-lora", "cpu-grpo", "pascal-grpo-lora-bf16"],
 )  # fmt: skip
 def test_the_whole_argv_lands_in_the_newer_releases_own_config(job_dir, verl09_pristine, extra):
     """Hydra applies every override to verl 0.9.0's ppo_trainer config: no key is missing
