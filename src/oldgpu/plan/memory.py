@@ -209,8 +209,8 @@ VLLM_CUDA_GRAPH_MIB = 1536
 VLLM_BATCHED_TOKENS = 8192
 # A newer release's rollout server (oldgpu-hf) generates in a process of its own beside
 # the trainer's: its weights, and the KV cache and sampling logits of the requests it
-# batches, at most this many at once (rollout/server.py's DEFAULT_MAX_BATCH_SIZE; a test
-# keeps the two equal). verl 0.9.0 empties the trainer's cache in its weight sync, just
+# batches, at most this many at once (the plan sets it as rollout.max_num_seqs, the
+# server's row cap). verl 0.9.0 empties the trainer's cache in its weight sync, just
 # before generation (engine_workers.update_weights: aggressive_empty_cache), so the
 # generate phase is the trainer's resident state beside the server's footprint; the
 # server sleeps on the host after generating, keeping its CUDA context, which every other
@@ -218,7 +218,8 @@ VLLM_BATCHED_TOKENS = 8192
 # bench/results/2026-12-06-h100/call6) peaked at 24,667 MiB device-wide for the trainer and
 # the server together, and its split between them was not recorded (docs/benchmarks.md).
 # The plan sets rollout.max_num_seqs to the batch it counted (``server_batch``): the server
-# takes min(max_num_seqs, its default) as its max batch, so it holds no more than planned.
+# takes it as its row cap and that many full-length rows as its default token budget
+# (max_batch_tokens), so it holds no more than planned.
 ROLLOUT_SERVER_BATCH = 64
 
 PHASES = (

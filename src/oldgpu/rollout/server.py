@@ -38,14 +38,20 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
 from oldgpu.rollout import ROLLOUT_NAME, colocated
-from oldgpu.rollout.batching import Batcher
+from oldgpu.rollout.batching import DEFAULT_TIMEOUT_S, Batcher
 from oldgpu.rollout.hf_engine import PROCESSED, HFGenerator, load_model
-from oldgpu.rollout.sampling import ABORTED, Generated, Limits, Request, make_request
+from oldgpu.rollout.sampling import (
+    ABORTED,
+    Generated,
+    Limits,
+    Request,
+    batch_tokens,
+    make_request,
+)
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_BATCH_WINDOW_MS = 20
 # How long a request waits for the trainer to hand the card back (a step's update).
 DEFAULT_SLEEP_WAIT_S = 1800.0
@@ -61,7 +67,8 @@ class RolloutAsleep(RuntimeError):
 
 def engine_settings(config: RolloutConfig) -> dict[str, Any]:
     """Our knobs, under ``rollout.engine_kwargs["oldgpu-hf"]`` (or ``oldgpu_hf``, the
-    spelling a Hydra override can write): ``max_batch_size``, ``batch_window_ms``."""
+    spelling a Hydra override can write): ``max_batch_tokens``, ``max_batch_size``,
+    ``batch_window_ms``, ``request_timeout_s``."""
     kwargs = config.engine_kwargs or {}
     mine = kwargs.get(ROLLOUT_NAME) or kwargs.get(ROLLOUT_NAME.replace("-", "_")) or {}
     return dict(mine)
@@ -150,10 +157,21 @@ class HFRolloutServer:
             max_model_len=int(max_len),
         )
         settings = engine_settings(self.config)
-        self.max_batch_size = int(
-            settings.get("max_batch_size", min(self.config.max_num_seqs, DEFAULT_MAX_BATCH_SIZE))
+        # Rows at once: vLLM's own cap on running sequences (max_num_seqs) unless set.
+        self.max_batch_size = int(settings.get("max_batch_size", self.config.max_num_seqs))
+        # Tokens at once (rows x (prompt + response), padded): the planner sets it from its
+        # memory model. Unset: every row the agent loop can send at full length, i.e. one
+        # pass per rollout as 0.5.0's HF rollout, with the OOM split as the backstop.
+        # (rollout.max_num_batched_tokens is vLLM's per-step scheduling budget, not its KV
+        # cache: it would cap a batch at a few rows.)
+        self.max_batch_tokens = int(
+            settings.get(
+                "max_batch_tokens",
+                self.max_batch_size * (self.config.prompt_length + self.config.response_length),
+            )
         )
         self.window_s = float(settings.get("batch_window_ms", DEFAULT_BATCH_WINDOW_MS)) / 1000
+        self.timeout_s = float(settings.get("request_timeout_s", DEFAULT_TIMEOUT_S))
         self.sleep_wait_s = float(settings.get("sleep_wait_s", DEFAULT_SLEEP_WAIT_S))
         # In the trainer's process: a colocated job's trainer worker, unless weights=copy.
         self.trainer = trainer
@@ -182,15 +200,19 @@ class HFRolloutServer:
             self.batcher = Batcher(
                 self._run_in_trainer,
                 lambda r: Generated(token_ids=[], stop_reason=ABORTED),
-                max_batch_size=self.max_batch_size,
+                max_batch_tokens=self.max_batch_tokens,
+                cost=batch_tokens,
+                max_rows=self.max_batch_size,
                 window_s=self.window_s,
+                timeout_s=self.timeout_s,
             )
             logger.info(
                 "%s server %d: generates in its trainer worker from the trainer's weights, "
-                "batches of <= %d",
+                "batches of <= %d rows, %d tokens",
                 ROLLOUT_NAME,
                 self.replica_rank,
                 self.max_batch_size,
+                self.max_batch_tokens,
             )
             return
         dtype, attn = profile_dtype_and_attention()
@@ -212,15 +234,19 @@ class HFRolloutServer:
             eos_token_ids=eos,
             device=self.device,
             logprobs_mode=self.config.logprobs_mode or PROCESSED,
+            max_batch_tokens=self.max_batch_tokens,
         )
         self.batcher = Batcher(
             self.generator.generate,
             lambda r: Generated(token_ids=[], stop_reason=ABORTED),
-            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            cost=batch_tokens,
+            max_rows=self.max_batch_size,
             window_s=self.window_s,
+            timeout_s=self.timeout_s,
         )
         logger.info(
-            "%s server %d: %s, %s, %s attention, weights %s, batches of <= %d",
+            "%s server %d: %s, %s, %s attention, weights %s, batches of <= %d rows, %d tokens",
             ROLLOUT_NAME,
             self.replica_rank,
             self.device,
@@ -228,6 +254,7 @@ class HFRolloutServer:
             attn,
             "dummy (first sync fills them)" if dummy else "from " + self.model_config.local_path,
             self.max_batch_size,
+            self.max_batch_tokens,
         )
 
     def get_server_address(self) -> str:
@@ -258,6 +285,9 @@ class HFRolloutServer:
         if image_data or video_data or audio_data:
             raise NotImplementedError(f"{ROLLOUT_NAME} serves text-only models")
         assert self.batcher is not None, "launch_server() first"
+        if self.config.full_determinism:  # as vLLM's server: one seed per replica
+            sampling_params = dict(sampling_params)
+            sampling_params.setdefault("seed", self.replica_rank + self.config.seed)
         if not self._woken.is_set():
             # The trainer's turn: its weights are changing under it; wait for wake_up.
             try:
@@ -400,6 +430,9 @@ class HFRolloutServer:
             "requests_run": b.requests_run if b else 0,
             "largest_batch": b.largest_batch if b else 0,
             "max_batch_size": self.max_batch_size,
+            "max_batch_tokens": self.max_batch_tokens,
+            "largest_batch_tokens": b.largest_batch_tokens if b else 0,
+            "oom_splits": self.generator.oom_splits if self.generator else 0,
             "device": str(self.device),
             "in_trainer": self.in_trainer,
             "global_steps": self.global_steps,
