@@ -173,9 +173,9 @@ def test_the_field_round_trips_through_the_env_file(job_dir):
     assert jobs.job_from_env(jobs.parse_env(text)).verl_version == NEWER
 
 
-def test_the_planner_counts_the_newer_releases_logits_and_rollout_copy(job_dir):
-    """0.9.0 computes verl's own logits (no logits patch set) and its rollout server holds a
-    second copy of the weights while it generates: smaller micro batches, at one batch."""
+def test_the_planner_counts_the_newer_releases_logits_and_in_process_rollout(job_dir):
+    """0.9.0 computes verl's own logits (no logits patch set): smaller micro batches, at
+    one batch; its rollout runs in the trainer's process (one weight copy, one context)."""
     grpo = {"algorithm": "grpo", "rollout_n": 4, "train_batch_size": 32}
     old, new = (overrides_of(compose(job_dir, **grpo, verl_version=v)) for v in ("", NEWER))
     for key in (
@@ -183,46 +183,22 @@ def test_the_planner_counts_the_newer_releases_logits_and_rollout_copy(job_dir):
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     ):
         assert int(new[key]) < int(old[key]), key
+    assert new["actor_rollout_ref.rollout.max_num_seqs"] == str(32 * 4)
+    assert new[memory.SERVER_TOKENS_KEY.lstrip("+")] == str(32 * 4 * (512 + 256))
     fields = verl_release.plan_fields(NEWER)
-    assert fields == {"logits_patch": False, "rollout_copy": True}
+    assert fields == {"logits_patch": False, "rollout_server": True}
     assert verl_release.plan_fields(verl_release.default()) == {
         "logits_patch": True,
-        "rollout_copy": False,
+        "rollout_server": False,
     }
 
 
-def test_the_rollout_server_generates_beside_what_the_trainer_keeps():
-    """0.9.0: the server's weights, KV cache and sampling in the generate phase (the trainer
-    generates nothing there), its CUDA context in every phase."""
+def test_the_in_process_rollout_adds_no_weights_or_context():
     base = plan_inputs(critic=False, rollout_n=4)
     choice = plan.Choice(train_batch_size=32, ppo_mini_batch_size=8, actor_micro=4,
                          critic_micro=4, log_prob_micro=8, gradient_checkpointing=True,
                          offload=plan.Offload())  # fmt: skip
-    newer = dataclasses.replace(base, rollout_copy=True)
-    gen = memory.estimate_phase(newer, choice, "generate")
-    server = gen.moments["decode"]
-    assert server["rollout_server_weights"] == pytest.approx(base.shape.params() * 4 / 2**20)
-    # at most the server's batch at once (128 responses here)
-    rows = memory.ROLLOUT_SERVER_BATCH
-    kv = memory.estimate_phase(base, choice, "generate").moments["decode"]["kv_cache"]
-    assert server["rollout_server_kv_cache"] == pytest.approx(kv * rows / (32 * 4))
+    newer = dataclasses.replace(base, rollout_server=True)
     for phase in ("generate", "actor_update"):
         one, two = (memory.estimate_phase(i, choice, phase) for i in (base, newer))
-        assert two.context == one.context + memory.CUDA_CONTEXT_MIB, phase
-    assert "rollout_server_weights" not in str(memory.estimate_phase(newer, choice, "actor_update"))
-
-
-def test_the_server_batch_the_planner_counts_is_the_servers():
-    # read from the source: the server module imports verl, which the engine venv lacks
-    import ast
-
-    import oldgpu.rollout
-
-    tree = ast.parse((Path(oldgpu.rollout.__file__).parent / "server.py").read_text())
-    found = [
-        n.value.value
-        for n in tree.body
-        if isinstance(n, ast.Assign)
-        and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["DEFAULT_MAX_BATCH_SIZE"]
-    ]
-    assert found == [memory.ROLLOUT_SERVER_BATCH]
+        assert two.as_dict() == one.as_dict(), phase

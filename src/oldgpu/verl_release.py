@@ -116,18 +116,17 @@ def check_settings(version: str, rollout: str | None, cluster: str) -> None:
 
 
 def plan_base_dtype(version: str, base_dtype: str) -> str:
-    """The base dtype the planner may use for ``version``: a newer release's rollout
-    server loads a weight copy of its own in fp32, so a 16-bit base (a LoRA job's
-    base_dtype) is 0.5.0's for now; auto plans fp32 there, bf16/fp16 are refused."""
+    """The base dtype the planner may use for ``version``: a 16-bit base (a LoRA job's
+    base_dtype, verl_0_5_0/base16.py) is patched for 0.5.0 only; auto plans fp32 on a
+    newer release, bf16/fp16 are refused."""
     if version == default():
         return base_dtype
     if base_dtype in ("auto", "fp32"):
         return "fp32"
     raise EngineError(
         "verl-version-unsupported",
-        f"base_dtype {base_dtype} with verl {version} is not provided: its {ROLLOUT_NAME} "
-        "server keeps an fp32 copy of the weights of its own; a 16-bit base runs verl "
-        f"{default()} (verl_version {default()})",
+        f"base_dtype {base_dtype} with verl {version} is not provided: the 16-bit base's "
+        f"patches are verl {default()}'s; a 16-bit base runs verl_version {default()}",
     )
 
 
@@ -173,10 +172,11 @@ def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
 
 def plan_fields(version: str) -> dict[str, bool]:
     """What the planner counts differently for ``version``: 0.5.0's tree has the logits
-    patch set; a newer release computes verl's own logits, and its rollout server holds
-    its own copy of the weights while it generates."""
+    patch set; a newer release computes verl's own logits and generates through the
+    ``oldgpu-hf`` server in the trainer's process, from the trainer's own parameters (its
+    memory counted as 0.5.0's HF rollout; the plan sets the server's batch)."""
     newer = version != default()
-    return {"logits_patch": not newer, "rollout_copy": newer}
+    return {"logits_patch": not newer, "rollout_server": newer}
 
 
 def translate(version: str, overrides: Sequence[str]) -> list[str]:
