@@ -214,3 +214,76 @@ def test_on_cuda_the_second_process_that_crosses_the_card_is_refused(tmp_path) -
     assert kinds == ["guard-card-memory"]
     peaks = [e for e in logged if e["event"] == "card-memory"]
     assert peaks and max(d["peak_mib"] for e in peaks for d in e["devices"].values()) > 20 * 1024
+
+
+# -- the watcher's arithmetic, on CPU (torch.cuda's few calls it makes, recorded) ----------
+
+
+class _Cuda:
+    """The calls CardWatch makes to torch.cuda: reserved bytes, total memory."""
+
+    def __init__(self, reserved_mib: float, total_mib: int = 81559) -> None:
+        self.reserved = reserved_mib * card.MIB
+        self.total = total_mib * card.MIB
+
+    def memory_reserved(self, index: int) -> int:
+        return int(self.reserved)
+
+    def get_device_properties(self, index: int):
+        return type("Props", (), {"total_memory": self.total})()
+
+
+def _watch(tmp_path, reserved_mib: float, fractions: list, cap: int = 23040) -> card.CardWatch:
+    torch = type("Torch", (), {"cuda": _Cuda(reserved_mib)})()
+    guard.uninstall()
+    guard.install(guard.policy_for("pascal", device="cpu", memory_mib=None))
+    card._STATE.set_fraction = lambda fraction, index: fractions.append(fraction)
+    return card.CardWatch(torch, 0, card.CardLedger(tmp_path, "GPU-0000", cap), 600)
+
+
+def test_the_limit_is_what_the_others_leave_and_follows_them(tmp_path) -> None:
+    fractions: list[float] = []
+    try:
+        watch = _watch(tmp_path, 4096, fractions)
+        other = os.getppid()
+        watch.ledger._write(card.Entry(other, 9000, 600, "server", card._start_time(other)))
+        watch.tick()  # publishes 4096 + 600, reads the server's 9600
+        assert watch.limit_mib == 23040 - 9600 - 600
+        assert fractions[-1] == pytest.approx((23040 - 9600 - 600) / 81559)
+        watch.ledger.release(other)  # the server went to sleep (or died): its share is free
+        watch.tick()
+        assert watch.limit_mib == 23040 - 600
+        assert watch.peak_mib == 4096 + 600 + 9600
+        assert [p["pid"] for p in watch.peak_processes] == sorted([os.getpid(), other])
+    finally:
+        guard.uninstall()
+
+
+def test_growth_that_crosses_between_ticks_is_recorded_and_stops(tmp_path) -> None:
+    """Two processes that grew within one interval: the publication that crosses the cap
+    records the violation naming this process, and its allocator may grow no further."""
+    log = tmp_path / "guard.jsonl"
+    fractions: list[float] = []
+    try:
+        watch = _watch(tmp_path / "ledger", 12000, fractions)
+        guard.uninstall()
+        guard.install(guard.policy_for("pascal", device="cpu", memory_mib=None, log=str(log)))
+        card._STATE.set_fraction = lambda fraction, index: fractions.append(fraction)
+        other = os.getppid()
+        watch.ledger._write(card.Entry(other, 11000, 600, "trainer", card._start_time(other)))
+        watch.tick()
+        assert watch.over and watch.limit_mib == 23040 - 11600 - 600 < 12000  # no growth
+        logged = [json.loads(x) for x in log.read_text().splitlines()]
+        bad = [e for e in logged if e["event"] == "violation"]
+        assert [e["kind"] for e in bad] == ["guard-card-memory"]
+        assert f"pid {os.getpid()} (" in bad[0]["message"] and "trainer" in bad[0]["message"]
+        # the next growth raises: the allocator's observer finds the card over
+        with pytest.raises(guard.GuardViolation) as exc:
+            watch.on_oom(64 * card.MIB)
+        assert exc.value.name == "guard-card-memory" and "asking 64 MiB more" in exc.value.message
+        # the other shrank: the card has room again, the limit follows
+        watch.ledger._write(card.Entry(other, 1000, 600, "trainer", card._start_time(other)))
+        watch.on_oom(64 * card.MIB)  # no violation: torch's own OOM stands (a stale limit)
+        assert not watch.over and watch.limit_mib == 23040 - 1600 - 600
+    finally:
+        guard.uninstall()

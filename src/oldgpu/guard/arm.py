@@ -122,6 +122,7 @@ def uninstall() -> None:
         _STATE.torch_armed = False
         _STATE.memory_cap = {}
         _STATE.card = {}
+        _STATE.set_fraction = lambda fraction, index: None
         _STATE.events = {}
         _STATE.mode_cls = None
         _STATE.ops_ended = False
