@@ -37,6 +37,18 @@ KINDS: dict[str, dict[str, Any]] = {
         "rows": 640,
         "dtype": "bfloat16",
     },
+    # The LoRA learning check's model (issue 35): Qwen2.5-0.5B's shape with the learn
+    # kind's prompt and response, its vocabulary the tokenizer's (a random policy over
+    # 152K ids would rarely sample a real token), a bf16 checkpoint so that the fp32 base
+    # and the base stored at bf16 start from the same weights.
+    "learn-0.5b": {
+        "shape": "qwen2.5-0.5b",
+        "vocab": "tokenizer",
+        "prompt": 64,
+        "response": 32,
+        "rows": 640,
+        "dtype": "bfloat16",
+    },
     "learn": {
         "model": dict(
             hidden_size=256,
@@ -84,8 +96,9 @@ def model_shape(kind: str) -> dict[str, Any]:
     if "shape" not in spec:
         return dict(spec["model"])
     s = planner.SHAPES[spec["shape"]]
+    keys = [k for k in CONFIG_KEYS if not (k == "vocab_size" and spec.get("vocab") == "tokenizer")]
     return {
-        **{k: getattr(s, k) for k in CONFIG_KEYS},
+        **{k: getattr(s, k) for k in keys},
         "max_position_embeddings": s.max_position_embeddings,
         **QWEN25,
     }

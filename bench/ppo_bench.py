@@ -200,6 +200,12 @@ SETTINGS: dict[str, Setting] = {
             env=VERLS_OWN_LOGITS,
         ),
         Setting("grpo", "GRPO at the planner's batch", job=dict(GRPO)),
+        Setting(
+            "grpo-09",
+            "GRPO at the planner's batch, verl 0.9.0 (oldgpu-hf generating in the trainer's "
+            "process; grpo's twin for issue 32)",
+            job={**GRPO, **NEWER},
+        ),
         Setting("grpo-lora", "GRPO + LoRA at the planner's batch", job={**GRPO, **LORA}),
         Setting(
             "grpo-lora-1p5b",
@@ -242,15 +248,16 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "learn-grpo-lora",
-            "learning check (GRPO + LoRA, rank 32, LoRA's learning rate), fp32 base",
-            kind="learn",
+            "learning check (GRPO + LoRA, rank 32, LoRA's learning rate), Qwen2.5-0.5B-shaped "
+            "(a bf16 checkpoint), fp32 base",
+            kind="learn-0.5b",
             job={"train_batch_size": 64, **GRPO, **LORA, "base_dtype": "fp32"},
             overrides=(*LEARN, *LEARN_LORA),
         ),
         Setting(
             "learn-grpo-lora-bf16",
             "learn-grpo-lora with the base stored at bf16 (base_dtype), computed in fp32",
-            kind="learn",
+            kind="learn-0.5b",
             job={"train_batch_size": 64, **GRPO, **LORA, "base_dtype": "bf16"},
             overrides=(*LEARN, *LEARN_LORA),
         ),

@@ -50,6 +50,10 @@ SITES = {  # patch name -> (file, function) of each site
     "hf-config-attn-default": [(MODEL_CONFIG, "HFModelConfig.__post_init__")],
     "attn-implementation": [(MODEL_UTILS, "load_valuehead_model")] * 2,
     "flash-attn-import-guard": [(ATTENTION_UTILS, "_get_attention_functions")],
+    # the base16 set (tests/test_base16_verl09.py): a LoRA base stored at 16 bits
+    "base16-params-only": [(FSDP_ENGINE, "FSDPEngine._build_module")],
+    "base16-embedding-units": [(FSDP_ENGINE, "FSDPEngine._build_fsdp_module")],
+    "base16-adapters-fp32": [(FSDP_ENGINE, "FSDPEngine._build_lora_module")],
 }
 COMPUTE_DTYPE = "oldgpu_compat.compute_dtype()"
 ATTN = "oldgpu_compat.attn_implementation()"

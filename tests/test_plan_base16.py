@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 from conftest import plan_inputs as inputs
+from test_verl_release import NEWER, compose
 
-from oldgpu import cli, plan
+from oldgpu import cli, plan, verl_release
 from oldgpu.output import EngineError
 from oldgpu.plan import memory
 
@@ -96,3 +97,50 @@ def test_checkpointing_is_off_where_the_micro_batches_fit_without_it() -> None:
     )
     big = plan.plan(lora7b(base_dtype="auto"))
     assert big.choice.gradient_checkpointing is True  # 7B: no room for its activations
+
+
+def test_a_16bit_base_is_planned_on_the_newer_release_as_on_the_default(job_dir):
+    """0.9.0 has a base16 patch set (verl_0_9_0/base16.py): a LoRA job's bf16 base is its
+    actor's model_dtype (a key 0.9.0's config has: no "+"), the planner counts it as it
+    does 0.5.0's, and the guard lets the job store bf16."""
+    lora = {"algorithm": "grpo", "rollout_n": 4, "lora_rank": 8, "train_batch_size": 32}
+    doc = compose(job_dir, **lora, base_dtype="bf16", verl_version=NEWER)
+    assert "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16" in doc["argv"]
+    assert doc["environment"]["OLDGPU_GUARD_STORAGE_DTYPES"] == "bf16"
+    pinned = compose(job_dir, **lora, base_dtype="bf16")  # 0.5.0's config lacks the key
+    assert "+actor_rollout_ref.actor.fsdp_config.model_dtype=bf16" in pinned["argv"]
+    for version in (NEWER, verl_release.default()):
+        assert verl_release.plan_base_dtype(version, "bf16") == "bf16"
+        assert verl_release.plan_base_dtype(version, "auto") == "auto"  # the search decides
+    # The base and FSDP's fp32 units as 0.5.0 counts them, in every phase the actor computes.
+    kw = dict(critic=False, rollout_n=4, lora_rank=32, base_dtype="bf16",
+              shape=plan.SHAPES["qwen2.5-7b"], model_name="qwen2.5-7b")  # fmt: skip
+    choice = plan.Choice(train_batch_size=8, ppo_mini_batch_size=8, actor_micro=1,
+                         critic_micro=1, log_prob_micro=1, gradient_checkpointing=True,
+                         offload=plan.Offload())  # fmt: skip
+    by_version = {
+        v: inputs(**kw, **verl_release.plan_fields(v)) for v in (NEWER, verl_release.default())
+    }
+    for phase in ("generate", "actor_log_prob", "ref_log_prob", "actor_update"):
+        new, old = (memory.estimate_phase(by_version[v], choice, phase) for v in by_version)
+        for key in ("actor_weights", "actor_fp32_units"):
+            assert new.resident[key] == old.resident[key] > 0, (phase, key)
+        assert new.frozen == old.frozen > 0
+
+
+def test_a_release_without_a_base16_set_plans_fp32_and_refuses_16_bits(monkeypatch):
+    from oldgpu.patch import registry
+
+    kept = tuple(
+        p
+        for p in registry.registry()
+        if not (p.name == verl_release.BASE16_PATCH and NEWER in p.versions)
+    )
+    monkeypatch.setattr(registry, "registry", lambda: kept)
+    assert verl_release.plan_base_dtype(NEWER, "auto") == "fp32"
+    assert verl_release.plan_base_dtype(NEWER, "fp32") == "fp32"
+    with pytest.raises(EngineError) as exc:
+        verl_release.plan_base_dtype(NEWER, "bf16")
+    assert exc.value.name == "verl-version-unsupported"
+    assert "no base16 patch set" in exc.value.message
+    assert verl_release.plan_base_dtype(verl_release.default(), "bf16") == "bf16"

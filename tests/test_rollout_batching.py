@@ -9,13 +9,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from oldgpu.rollout.batching import Batcher
+from oldgpu.rollout.batching import Batcher, BatchLoopDead, RolloutTimeout
 
 
 @dataclass(frozen=True)
 class Req:
     n: int
     key: str = "a"
+    size: int = 1
+
+    @property
+    def request_id(self) -> str:
+        return f"req-{self.n}"
 
     @property
     def batch_key(self) -> str:
@@ -41,11 +46,20 @@ def aborted(r: Req):
     return ("aborted", r.n, True)
 
 
+def rows(requests) -> int:
+    return sum(r.size for r in requests)
+
+
+def make(run, *, budget=1 << 20, **kw) -> Batcher:
+    kw.setdefault("window_s", 0.05)
+    return Batcher(run, aborted, max_batch_tokens=budget, cost=rows, **kw)
+
+
 def test_a_burst_is_one_batch_and_answers_each_caller_in_order():
     rec = Recorder()
 
     async def main():
-        b = Batcher(rec.run, aborted, max_batch_size=64, window_s=0.05)
+        b = make(rec.run)
         out = await asyncio.gather(*[b.submit(Req(i)) for i in range(10)])
         return b, out
 
@@ -60,7 +74,7 @@ def test_batches_are_capped_and_split_by_key():
     rec = Recorder()
 
     async def main():
-        b = Batcher(rec.run, aborted, max_batch_size=3, window_s=0.05)
+        b = make(rec.run, budget=3)
         reqs = [Req(i, "a" if i % 2 else "b") for i in range(8)]
         return await asyncio.gather(*[b.submit(r) for r in reqs])
 
@@ -76,7 +90,7 @@ def test_requests_arriving_while_a_batch_runs_form_the_next_one():
     rec = Recorder(delay=0.2)
 
     async def main():
-        b = Batcher(rec.run, aborted, max_batch_size=64, window_s=0.01)
+        b = make(rec.run, window_s=0.01)
         first = asyncio.ensure_future(b.submit(Req(0)))
         # Until batch [0] runs (a fixed sleep lost the race to the window on a loaded machine).
         while not rec.started.is_set():
@@ -98,7 +112,7 @@ def test_an_error_reaches_the_callers_and_the_loop_goes_on():
         return [r.n for r in requests]
 
     async def main():
-        b = Batcher(run, aborted, max_batch_size=8, window_s=0.01)
+        b = make(run, window_s=0.01)
         with pytest.raises(RuntimeError, match="boom"):
             await b.submit(Req(1))
         return await b.submit(Req(2))
@@ -117,7 +131,7 @@ def test_abort_stops_the_running_batch_answers_the_queue_and_closes_until_resume
         return [("stopped" if should_stop() else "ran", r.n) for r in requests]
 
     async def main():
-        b = Batcher(run, aborted, max_batch_size=1, window_s=0.0)
+        b = make(run, budget=1, window_s=0.0)
         running = asyncio.ensure_future(b.submit(Req(0)))
         while not started.is_set():
             await asyncio.sleep(0.01)
@@ -147,7 +161,7 @@ def test_drain_waits_for_the_running_batch():
     rec = Recorder(delay=0.1)
 
     async def main():
-        b = Batcher(rec.run, aborted, max_batch_size=4, window_s=0.0)
+        b = make(rec.run, budget=4, window_s=0.0)
         fut = asyncio.ensure_future(b.submit(Req(0)))
         while not rec.started.is_set():
             await asyncio.sleep(0.005)
@@ -157,6 +171,117 @@ def test_drain_waits_for_the_running_batch():
     assert asyncio.run(main())
 
 
-def test_batch_size_must_be_positive():
-    with pytest.raises(ValueError):
-        Batcher(lambda r, s: r, aborted, max_batch_size=0)
+def test_settings_must_be_positive():
+    for kw in ({"budget": 0}, {"max_rows": 0}, {"timeout_s": 0}):
+        with pytest.raises(ValueError):
+            make(lambda r, s: r, **kw)
+    with pytest.raises(ValueError, match="needs a bound"):
+        Batcher(lambda r, s: r, aborted)
+
+
+def test_rows_alone_bound_a_batch_under_the_earlier_name():
+    rec = Recorder()
+
+    async def main():
+        b = Batcher(rec.run, aborted, max_batch_size=4, window_s=0.05)
+        return await asyncio.gather(*[b.submit(Req(i, size=1000)) for i in range(6)])
+
+    asyncio.run(main())
+    assert [len(batch) for batch in rec.batches] == [4, 2]
+
+
+def test_no_fixed_row_cap_only_the_token_budget():
+    rec = Recorder()
+
+    async def main():
+        b = make(rec.run, budget=1000)
+        return await asyncio.gather(*[b.submit(Req(i, size=4)) for i in range(300)])
+
+    asyncio.run(main())
+    # 250 rows of 4 tokens fit 1000; the rest is the next batch.
+    assert [len(batch) for batch in rec.batches] == [250, 50]
+
+
+def test_a_request_over_the_budget_runs_alone_and_max_rows_caps():
+    rec = Recorder()
+
+    async def main():
+        b = make(rec.run, budget=10, max_rows=2)
+        reqs = [Req(0, size=3), Req(1, size=30), Req(2, size=1), Req(3, size=1), Req(4, size=1)]
+        return await asyncio.gather(*[b.submit(r) for r in reqs])
+
+    asyncio.run(main())
+    assert rec.batches == [[0], [1], [2, 3], [4]]
+
+
+class Fatal(BaseException):
+    pass
+
+
+def test_a_dying_loop_fails_the_batch_the_queue_and_later_requests():
+    started = threading.Event()
+
+    def run(requests, should_stop):
+        started.set()
+        time.sleep(0.1)
+        raise Fatal("worker killed")
+
+    async def main():
+        b = make(run, budget=1, window_s=0.0)
+        futs = [asyncio.ensure_future(b.submit(Req(i))) for i in range(3)]
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        with pytest.raises(BatchLoopDead, match=r"rollout-batch-loop-dead.*worker killed"):
+            await b.submit(Req(9))
+        await b.drain()  # returns: nothing will run again
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, BatchLoopDead) for r in results), results
+    assert isinstance(results[0].__cause__, Fatal)
+
+
+def test_a_cancelled_loop_fails_what_waits():
+    rec = Recorder(delay=0.3)
+
+    async def main():
+        b = make(rec.run, window_s=0.0)
+        fut = asyncio.ensure_future(b.submit(Req(0)))
+        while not rec.started.is_set():
+            await asyncio.sleep(0.005)
+        b._task.cancel()
+        with pytest.raises(BatchLoopDead):
+            await fut
+        with pytest.raises(BatchLoopDead):
+            await b.submit(Req(1))
+
+    asyncio.run(main())
+
+
+def test_every_wait_has_a_timeout():
+    release = threading.Event()
+    ran: list[list[int]] = []
+
+    def run(requests, should_stop):
+        ran.append([r.n for r in requests])
+        release.wait(5)
+        return [r.n for r in requests]
+
+    async def main():
+        b = make(run, budget=1, window_s=0.0, timeout_s=0.2)
+        first = asyncio.ensure_future(b.submit(Req(0)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RolloutTimeout, match=r"rollout-timeout: request 'req-1'.*0.2 s"):
+            await b.submit(Req(1))  # queued behind the stuck batch
+        with pytest.raises(RolloutTimeout, match="rollout-timeout: drain"):
+            await b.drain()
+        with pytest.raises(RolloutTimeout, match="rollout-timeout: abort"):
+            await b.abort()
+        with pytest.raises(RolloutTimeout):
+            await first
+        release.set()
+        b.resume()
+        b.timeout_s = 5
+        return await b.submit(Req(2))
+
+    assert asyncio.run(main()) == 2
+    assert [1] not in ran  # the request whose caller gave up never ran

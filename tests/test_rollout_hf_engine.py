@@ -1,6 +1,7 @@
-"""The Pascal rollout's model side on a tiny random Qwen2, on the CPU: batched HF
-``generate`` with per-row settings, log-probs that are those of the distribution each
-token was drawn from, and weights copied in from the trainer."""
+"""The Pascal rollout's model side on a tiny random Qwen2, on the CPU: the batched decode
+loop with per-row settings, log-probs that are those of the distribution each token was
+drawn from, and weights copied in from the trainer. (Sampling settings and the decode
+loop's compute: test_rollout_decode.py.)"""
 
 from __future__ import annotations
 
@@ -134,9 +135,15 @@ def test_abort_stops_after_the_current_token():
     assert len(o.token_ids) == 1 and o.stop_reason == ABORTED
 
 
-def test_one_batch_one_eos_setting():
-    with pytest.raises(ValueError, match="batch key"):
-        generator().generate([req([1, 2]), req([3, 4], ignore_eos=True)])
+def test_rows_with_and_without_ignore_eos_share_a_batch():
+    model = tiny_model()
+    first = generator(model, eos=()).generate([req(PROMPTS[0], 4, temperature=0.0)])[0]
+    eos = first.token_ids[0]
+    out = generator(model, eos=(eos,)).generate(
+        [req(PROMPTS[0], 4, temperature=0.0), req(PROMPTS[0], 4, temperature=0.0, ignore_eos=True)]
+    )
+    assert out[0].token_ids == [eos]
+    assert out[1].token_ids == first.token_ids
 
 
 def test_weights_from_the_trainer_replace_the_models():
@@ -169,3 +176,36 @@ def test_a_shape_mismatch_is_refused():
     rollout = generator()
     with pytest.raises(ValueError, match="embed_tokens"):
         rollout.load_weights([("model.embed_tokens.weight", torch.zeros(3, 3))])
+
+
+def test_a_module_the_trainer_owns_fsdp_wrapped_or_summoned(tmp_path):
+    """The generator takes the trainer's policy as it is: the FSDP root itself, or its
+    inner module under ``summon_full_params(writeback=False, recurse=False)``."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    requests = [req(p, 6, temperature=0.0) for p in PROMPTS]
+    expected = [o.token_ids for o in generator(tiny_model(), eos=()).generate(requests)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        policy = FSDP(
+            tiny_model(),
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
+            use_orig_params=True,
+        )
+        assert [o.token_ids for o in generator(policy, eos=()).generate(requests)] == expected
+        root_calls = []
+        policy.register_forward_pre_hook(lambda m, a: root_calls.append(1))
+        with FSDP.summon_full_params(policy, writeback=False, recurse=False):
+            inner = generator(policy.module, eos=()).generate(requests)
+            # The root handed in as is (the colocated rollout's way): its forward may not
+            # start inside the summon, so the generator calls the module it wraps.
+            root = generator(policy, eos=()).generate(requests)
+        assert root_calls == []
+        assert [o.token_ids for o in inner] == expected
+        assert [o.token_ids for o in root] == expected
+    finally:
+        dist.destroy_process_group()

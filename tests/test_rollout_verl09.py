@@ -124,11 +124,14 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
         from verl.workers.config import RolloutConfig
         from verl.workers.rollout.replica import RolloutMode, TokenOutput
         from oldgpu.rollout.adapter import buckets
+        from oldgpu.rollout.sampling import SamplingUnsupported
         from oldgpu.rollout.server import HFRolloutServer
 
         model_path = {str(assets / "model")!r}
+        # weights=copy: the server's own model, filled through the adapter's buckets
         config = RolloutConfig(name="oldgpu-hf", tensor_model_parallel_size=1,
-                               prompt_length=32, response_length=8, load_format="dummy")
+                               prompt_length=32, response_length=8, load_format="dummy",
+                               engine_kwargs={{"oldgpu-hf": {{"weights": "copy"}}}})
         model_config = OmegaConf.create({{"path": model_path}})
 
         async def main():
@@ -150,6 +153,18 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
                 prompt_ids=[1, 10, 11, 12], request_id="g",
                 sampling_params=dict(temperature=0, top_p=1.0, top_k=-1, logprobs=False))
             stats = await server.stats()
+            refused = []
+            for bad in ({{"n": 2}}, {{"stop": ["</answer>"]}}, {{"logit_bias": {{}}}}):
+                try:
+                    await server.generate(prompt_ids=[1, 2], request_id="x", sampling_params=bad)
+                except SamplingUnsupported as exc:
+                    refused.append(exc.key)
+            # full_determinism: a per-replica seed, as vLLM's server: same prompt, same answer
+            server.config.full_determinism = True
+            seeded = [await server.generate(prompt_ids=[1, 10, 11, 12], request_id=str(i),
+                                            sampling_params=dict(params)) for i in range(2)]
+            stats["refused"] = refused
+            stats["seeded_equal"] = seeded[0].token_ids == seeded[1].token_ids
             return sent, outs, greedy, stats
 
         sent, outs, greedy, stats = asyncio.run(main())
@@ -174,6 +189,8 @@ def test_the_server_answers_the_agent_loops_call_with_a_token_output(cpu_tree, a
     assert doc["reasons"] == ["completed"]
     assert doc["greedy_log_probs"] is None
     assert doc["stats"]["largest_batch"] == 5  # the five arrived together: one batch
+    assert doc["stats"]["refused"] == ["n", "stop", "logit_bias"]
+    assert doc["stats"]["seeded_equal"]
 
 
 @needs_venv
@@ -192,3 +209,162 @@ def test_grpo_trains_two_steps_on_the_cpu(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "step:2" in out, out[-6000:]
+
+
+# A stand-in for the model only: it "writes" a fixed script, one token a step, from the
+# full history it is fed (so the server's batching, KV-row dropping and stop handling
+# all run for real). Turn 1 calls the tool, then the GLM observation (stop) token, then
+# junk that only a server ignoring stop_token_ids would return; turn 2, once the tool's
+# answer is in the prompt, answers and ends with the EOS.
+SCRIPTED_MODEL = """
+import types
+import torch
+
+class ScriptedCache:
+    def __init__(self, rows, scripts):
+        self.rows, self.scripts, self.fed = rows, scripts, []
+    def batch_select_indices(self, index):
+        keep = index.tolist()
+        self.rows = [self.rows[i] for i in keep]
+        self.scripts = [self.scripts[i] for i in keep]
+
+class Scripted(torch.nn.Module):
+    def __init__(self, tokenizer, turn1, turn2, tool_marker):
+        super().__init__()
+        self.tok, self.turn1, self.turn2, self.marker = tokenizer, turn1, turn2, tool_marker
+        self.vocab = len(tokenizer)
+        self.rows_fed = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache=True, logits_to_keep=0):
+        self.rows_fed.append(input_ids.shape[0])
+        if past_key_values is None:
+            rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+            scripts = [self.turn2 if self.marker in self.tok.decode(r) else self.turn1
+                       for r in rows]
+            cache = ScriptedCache([[] for _ in rows], scripts)
+        else:
+            cache = past_key_values
+            for row, t in zip(cache.rows, input_ids[:, 0].tolist()):
+                row.append(t)
+        logits = torch.zeros(input_ids.shape[0], 1, self.vocab)
+        for i, (done, script) in enumerate(zip(cache.rows, cache.scripts)):
+            logits[i, 0, script[min(len(done), len(script) - 1)]] = 40.0
+        return types.SimpleNamespace(logits=logits, past_key_values=cache)
+"""
+
+
+@needs_venv
+def test_verls_tool_agent_loop_runs_multi_turn_through_the_server(cpu_tree, assets):
+    """verl 0.9.0's own ToolAgentLoop (GLM tool format: its parser asks for the
+    ``<|observation|>`` stop token) and its own LLMServerClient drive HFRolloutServer; only
+    Ray's ``.remote`` is replaced by a direct call, and the model by a script."""
+    (line,) = run_verl(
+        cpu_tree,
+        SCRIPTED_MODEL
+        + f"""
+import asyncio, json
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+from verl.tools.function_tool import FunctionTool
+from verl.tools.schemas import OpenAIFunctionToolSchema
+from verl.workers.config import RolloutConfig
+from verl.workers.rollout.llm_server import LLMServerClient
+from verl.workers.rollout.replica import RolloutMode
+from oldgpu.rollout.server import HFRolloutServer
+
+model_path = {str(assets / "model")!r}
+tok = AutoTokenizer.from_pretrained(model_path)
+tok.add_special_tokens({{"additional_special_tokens": [
+    "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "<|observation|>"]}})
+enc = lambda text: tok.encode(text, add_special_tokens=False)
+call = "<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value>" \\
+       "<arg_key>b</arg_key><arg_value>3</arg_value></tool_call>"
+junk = enc(" JUNK JUNK")
+turn1 = enc(call) + enc("<|observation|>") + junk
+turn2 = enc("the sum is 5") + enc("<|im_end|>")
+
+def add(a: int, b: int) -> str:
+    return f"sum={{a + b}}"
+
+schema = OpenAIFunctionToolSchema.model_validate({{"type": "function", "function": {{
+    "name": "add", "description": "Add two integers.",
+    "parameters": {{"type": "object", "properties": {{
+        "a": {{"type": "integer", "description": "first"}},
+        "b": {{"type": "integer", "description": "second"}}}},
+        "required": ["a", "b"]}}}}}})
+tool = FunctionTool(name="add", fn=add, tool_schema=schema)
+
+rollout = dict(name="oldgpu-hf", prompt_length=256, response_length=96,
+               full_determinism=False,
+               multi_turn=dict(max_user_turns=3, max_assistant_turns=3, max_parallel_calls=1,
+                               max_tool_response_length=64, tool_response_truncate_side="middle",
+                               format="glm"))
+config = OmegaConf.create({{"actor_rollout_ref": {{"rollout": rollout,
+                                                 "model": {{"path": model_path}}}}}})
+data_config = OmegaConf.create({{"apply_chat_template_kwargs": {{}},
+                                "continuous_token": {{"enable": False}}}})
+
+class Remote:  # Ray's handle.method.remote(...) -> an awaitable, without Ray
+    def __init__(self, fn):
+        self.fn = fn
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+async def main():
+    server = HFRolloutServer(
+        RolloutConfig(name="oldgpu-hf", tensor_model_parallel_size=1, prompt_length=256,
+                      response_length=96),
+        OmegaConf.create({{"path": model_path}}), RolloutMode.STANDALONE, replica_rank=0)
+    await server.launch_server()
+    scripted = Scripted(tok, turn1, turn2, "<|im_start|>tool")
+    server.generator.model = scripted
+    seen = []
+    async def generate(**kw):
+        seen.append(dict(kw["sampling_params"]))
+        return await server.generate(**kw)
+    handle = type("Handle", (), {{}})()
+    handle.generate = Remote(generate)
+    async def acquire(request_id):
+        return "s0", handle
+    lb = type("LB", (), {{}})()
+    lb.acquire_server = Remote(acquire)
+    lb.release_server = Remote(lambda server_id: None)
+    client = LLMServerClient(config, load_balancer_handle=lb)
+    loop = ToolAgentLoop(trainer_config=DictConfigWrap(config), server_manager=client,
+                         tokenizer=tok, processor=None, dataset_cls=None,
+                         data_config=DictConfigWrap(data_config), tools=ToolListWrap([tool]))
+    params = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
+    out = await loop.run(dict(params),
+                         raw_prompt=[{{"role": "user", "content": "what is 2 + 3?"}}])
+    return out, seen, scripted.rows_fed
+
+out, seen, fed = asyncio.run(main())
+mask = out.response_mask
+spans, start = [], 0
+for i in range(1, len(mask) + 1):
+    if i == len(mask) or mask[i] != mask[start]:
+        spans.append((mask[start], tok.decode(out.response_ids[start:i])))
+        start = i
+print(json.dumps(dict(
+    spans=spans, num_turns=out.num_turns, stop_ids=[s.get("stop_token_ids") for s in seen],
+    observation=tok.convert_tokens_to_ids("<|observation|>"), fed=fed,
+    logprobs=len(out.response_logprobs or []), response=len(out.response_ids),
+)))
+""",
+        VERL_PLATFORM="cpu",
+    )
+    doc = json.loads(line)
+    (model1, tool_turn, model2) = doc["spans"]
+    # Turn 1 ends at the stop token, kept; the junk after it never reaches verl.
+    assert model1[0] == 1 and model1[1].endswith("</tool_call><|observation|>")
+    assert "JUNK" not in model1[1]
+    # The tool's answer is appended (mask 0) and the next turn is generated after it.
+    assert tool_turn[0] == 0 and "sum=5" in tool_turn[1] and "<|im_start|>tool" in tool_turn[1]
+    assert model2 == [1, "the sum is 5<|im_end|>"]
+    assert doc["num_turns"] == 4  # user, assistant, tool, assistant
+    assert doc["stop_ids"] == [[doc["observation"]]] * 2
+    assert doc["logprobs"] == doc["response"]

@@ -129,8 +129,10 @@ def test_what_the_newer_release_cannot_run_is_a_config_error(job_dir, extra, why
         {"profile": "pascal", "algorithm": "grpo", "rollout_n": 4, "lora_rank": 8,
          "lora_target_modules": ["q_proj", "v_proj"]},
         {"profile": "cpu", "algorithm": "grpo", "rollout_n": 2, "train_batch_size": 4},
+        {"profile": "pascal", "algorithm": "grpo", "rollout_n": 4, "lora_rank": 8,
+         "lora_target_modules": ["q_proj", "v_proj"], "base_dtype": "bf16"},
     ],
-    ids=["pascal-gae", "pascal-grpo-lora", "cpu-grpo"],
+    ids=["pascal-gae", "pascal-grpo-lora", "cpu-grpo", "pascal-grpo-lora-bf16"],
 )  # fmt: skip
 def test_the_whole_argv_lands_in_the_newer_releases_own_config(job_dir, verl09_pristine, extra):
     """Hydra applies every override to verl 0.9.0's ppo_trainer config: no key is missing
@@ -202,3 +204,18 @@ def test_the_in_process_rollout_adds_no_weights_or_context():
     for phase in ("generate", "actor_update"):
         one, two = (memory.estimate_phase(i, choice, phase) for i in (base, newer))
         assert two.as_dict() == one.as_dict(), phase
+
+
+def test_the_server_holds_the_batch_the_planner_sets():
+    # The plan sets rollout.max_num_seqs to the GPU's rollout batch (and the token budget
+    # under engine_kwargs.oldgpu_hf); the server takes max_num_seqs as its row cap and
+    # max_num_seqs x (prompt + response) as its default token budget, so it holds no more
+    # than planned. Read from the source: the server module imports verl, which the
+    # engine venv lacks.
+    import oldgpu.rollout
+
+    source = " ".join((Path(oldgpu.rollout.__file__).parent / "server.py").read_text().split())
+    assert 'settings.get("max_batch_size", self.config.max_num_seqs)' in source
+    assert "self.max_batch_size * (self.config.prompt_length + self.config.response_length)" in (
+        source
+    )

@@ -38,6 +38,11 @@ MOVED_KEYS = {
         ("custom_reward_function.", "reward.custom_reward_function."),
     )
 }
+# Keys 0.5.0's config lacks, so set with "+" (a 16-bit base's model_dtype), that a newer
+# release's has: Hydra refuses "+" on a key that exists, so it is dropped there.
+PRESENT_KEYS = {"0.9.0": ("actor_rollout_ref.actor.fsdp_config.model_dtype",)}
+# The patch a release's base16 patch set (a LoRA base stored at 16 bits) is known by.
+BASE16_PATCH = "base16-params-only"
 
 
 def default() -> str:
@@ -117,16 +122,20 @@ def check_settings(version: str, rollout: str | None, cluster: str) -> None:
 
 def plan_base_dtype(version: str, base_dtype: str) -> str:
     """The base dtype the planner may use for ``version``: a 16-bit base (a LoRA job's
-    base_dtype, verl_0_5_0/base16.py) is patched for 0.5.0 only; auto plans fp32 on a
-    newer release, bf16/fp16 are refused."""
-    if version == default():
+    base_dtype) needs the release's base16 patch set (parameters only cast, the embeddings
+    and lm_head in units of their own; the patcher's registry says: 0.5.0's and 0.9.0's
+    have it). Without one, auto plans fp32 and bf16/fp16 are refused."""
+    from oldgpu.patch.registry import registry
+
+    if any(p.name == BASE16_PATCH and version in p.versions for p in registry()):
         return base_dtype
     if base_dtype in ("auto", "fp32"):
         return "fp32"
     raise EngineError(
         "verl-version-unsupported",
-        f"base_dtype {base_dtype} with verl {version} is not provided: the 16-bit base's "
-        f"patches are verl {default()}'s; a 16-bit base runs verl_version {default()}",
+        f"base_dtype {base_dtype} with verl {version} is not provided: its engine has no "
+        "base16 patch set (16-bit storage with fp32 compute); a 16-bit base runs verl "
+        f"{default()} (verl_version {default()})",
     )
 
 
@@ -189,6 +198,8 @@ def translate(version: str, overrides: Sequence[str]) -> list[str]:
         for old, new in moved:
             if body.startswith(old):
                 body = new + body[len(old) :]
+        if prefix == "+" and body.split("=", 1)[0] in PRESENT_KEYS.get(version, ()):
+            prefix = ""
         out.append(prefix + body)
     return out
 

@@ -8,12 +8,14 @@ replica's server, found by the actor name the replica gave it, and it:
 
 - ``resume(tags)``/``release()``: wakes or sleeps the server (only with
   ``free_cache_engine``, as vLLM's);
-- ``update_weights(weights)``: takes the ``(HF name, tensor)`` generator the checkpoint
-  engine hands it (``naive``: straight from the FSDP engine's ``get_per_tensor_param``),
+- ``update_weights(weights)``: with the engine setting ``weights: trainer`` (the
+  default, ``colocated.py``) the server generates from this process's own policy, so
+  nothing is copied: the step is stamped and the generator verl hands over is left
+  unread (it is lazy: no tensor is gathered or merged). With ``weights: copy`` (the
+  measured baseline) it takes the ``(HF name, tensor)`` generator the checkpoint engine
+  hands it (``naive``: straight from the FSDP engine's ``get_per_tensor_param``),
   copies the tensors to host memory and sends them in buckets of
-  ``checkpoint_engine.update_weights_bucket_megabytes`` to the server, which copies
-  them into its model. Through Ray's object store: simple, and enough to prove the
-  path; a same-card CUDA IPC hand-over (as vLLM's) is the P40 follow-up.
+  ``checkpoint_engine.update_weights_bucket_megabytes`` to the server.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
-from oldgpu.rollout import ROLLOUT_NAME
+from oldgpu.rollout import ROLLOUT_NAME, colocated
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -78,8 +80,19 @@ class HFServerAdapter(BaseRollout):
         # One server per trainer rank: replica r is rank r's (replica world size 1).
         self.replica_rank = rank if replica_rank == -1 else replica_rank
         self.is_leader_rank = True
-        self.sleep_level = 2  # engine_workers sets 1 for LoRA adapters: refused below
+        self.sleep_level = 2  # engine_workers sets 1 for LoRA adapters
         self.server_handle: ray.actor.ActorHandle | None = None
+        from oldgpu.rollout.hf_engine import PROCESSED
+        from oldgpu.rollout.server import eos_token_ids, pad_token_id, weights_mode
+
+        self.weights_mode = weights_mode(self.config)
+        eos = eos_token_ids(self.model_config)
+        self.policy = colocated.PolicyGenerator(
+            pad_token_id=pad_token_id(self.model_config, eos),
+            eos_token_ids=eos,
+            logprobs_mode=self.config.logprobs_mode or PROCESSED,
+        )
+        colocated.register(self.replica_rank, self)
 
     def _server(self) -> ray.actor.ActorHandle:
         # Lazily: the trainer's workers are built before the replica starts its server.
@@ -104,12 +117,17 @@ class HFServerAdapter(BaseRollout):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
+        if self.weights_mode == colocated.TRAINER:
+            # The server generates from this process's parameters: nothing to copy. verl's
+            # generator is lazy (an unread one gathers and merges nothing).
+            await self._server().set_global_steps.remote(global_steps)
+            return
         if wire_format != "named_tensors":
             raise ValueError(f"{ROLLOUT_NAME} takes full named tensors, not {wire_format!r}")
         if peft_config is not None:
             raise NotImplementedError(
-                f"{ROLLOUT_NAME} loads full weights: with LoRA set "
-                "actor_rollout_ref.model.lora.merge=True"
+                f"{ROLLOUT_NAME} with weights=copy loads full weights: with LoRA set "
+                "actor_rollout_ref.model.lora.merge=True (or keep weights=trainer)"
             )
         start = time.time()
         server = self._server()

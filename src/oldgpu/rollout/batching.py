@@ -2,11 +2,17 @@
 
 verl's agent loop fires one ``generate`` per sample, all of a step's samples within
 milliseconds of each other. A P40 has no continuous-batching engine, so the server
-gathers what arrives together into one HF ``generate`` call: after the first request
-of a batch it waits ``window_s`` (or until ``max_batch_size`` are waiting), takes the
-waiting requests that share its batch key, and runs them while the next ones queue.
-One batch runs at a time (one model, one device); it runs in a worker thread so the
-actor's event loop keeps taking requests and control calls meanwhile.
+gathers what arrives together into one decode batch: after the first request of a
+batch it waits ``window_s`` (unless the batch is already full), takes the waiting
+requests in arrival order while they fit ``max_batch_tokens`` (the batch's padded
+``rows x (prompt + response)`` tokens, ``cost``) and ``max_rows``, and runs them while
+the next ones queue. One batch runs at a time (one model, one device); it runs in a
+worker thread so the actor's event loop keeps taking requests and control calls.
+
+Nothing waits forever: a request that gets no answer within ``timeout_s`` fails with
+``RolloutTimeout``, and so do ``abort``/``drain``; if the loop itself dies (any
+``BaseException``, cancellation included), the batch in flight, every queued request
+and every later one fail with ``BatchLoopDead``.
 
 Abort (verl's partial rollout, and its weight sync on the non-naive checkpoint
 engines): ``abort()`` asks the running batch to stop at its next token, answers every
@@ -16,12 +22,17 @@ queued request as aborted, and refuses new ones until ``resume()``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+logger = logging.getLogger(__name__)
+
 R = TypeVar("R")
+
+DEFAULT_TIMEOUT_S = 3600.0
 
 
 class Keyed(Protocol):
@@ -36,6 +47,18 @@ Q = TypeVar("Q", bound=Keyed)
 RunBatch = Callable[[Sequence[Q], Callable[[], bool]], Sequence[R]]
 
 
+class BatchLoopDead(RuntimeError):
+    """The batch loop has stopped: no request will be answered (``rollout-batch-loop-dead``)."""
+
+    code = "rollout-batch-loop-dead"
+
+
+class RolloutTimeout(TimeoutError):
+    """A wait ran past its timeout (``rollout-timeout``)."""
+
+    code = "rollout-timeout"
+
+
 @dataclass
 class _Pending(Generic[Q, R]):
     request: Q
@@ -48,24 +71,43 @@ class Batcher(Generic[Q, R]):
         run: RunBatch,
         aborted: Callable[[Q], R],
         *,
-        max_batch_size: int,
+        max_batch_tokens: int | None = None,
+        cost: Callable[[Sequence[Q]], int] = len,
+        max_rows: int | None = None,
         window_s: float = 0.02,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_batch_size: int | None = None,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size}: expected >= 1")
+        # max_batch_size: the earlier name of max_rows (callers written against it).
+        max_rows = max_batch_size if max_rows is None else max_rows
+        if max_batch_tokens is None and max_rows is None:
+            raise ValueError("a batch needs a bound: max_batch_tokens or max_rows")
+        max_batch_tokens = (1 << 62) if max_batch_tokens is None else max_batch_tokens
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected >= 1")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows={max_rows}: expected >= 1")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: expected > 0")
         self._run = run
         self._aborted = aborted
-        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.cost = cost
+        self.max_rows = max_rows
         self.window_s = window_s
+        self.timeout_s = timeout_s
         self._queue: list[_Pending[Q, R]] = []
+        self._running: list[_Pending[Q, R]] = []
         self._arrived: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._open: asyncio.Event | None = None
         self._stop = threading.Event()  # read by the worker thread
         self._task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
         self.batches_run = 0
         self.requests_run = 0
         self.largest_batch = 0
+        self.largest_batch_tokens = 0
 
     def _start(self) -> None:
         # Lazily, inside the event loop that will serve the requests (a Ray async actor's).
@@ -77,37 +119,99 @@ class Batcher(Generic[Q, R]):
             self._open.set()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise BatchLoopDead(
+                f"{BatchLoopDead.code}: the rollout's batch loop stopped "
+                f"({type(self._dead).__name__}: {self._dead}); no request can be served"
+            ) from self._dead
+
+    async def _wait(self, awaitable, what: str):
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout_s)
+        except asyncio.TimeoutError:
+            self._check_alive()  # a dead loop is the better answer, if that is why
+            raise RolloutTimeout(
+                f"{RolloutTimeout.code}: {what} got no answer within {self.timeout_s:g} s "
+                "(engine setting request_timeout_s)"
+            ) from None
+
     async def submit(self, request: Q) -> R:
         self._start()
+        self._check_alive()
         assert self._open is not None and self._arrived is not None
         if not self._open.is_set():
             return self._aborted(request)
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(request, future))
         self._arrived.set()
-        return await future
+        name = getattr(request, "request_id", "") or "a request"
+        try:
+            return await self._wait(future, f"request {name!r}")
+        finally:
+            future.cancel()  # a caller gone (timed out, cancelled): the batch skips it
+
+    def _fits(self, batch: list[Q]) -> bool:
+        if self.max_rows is not None and len(batch) > self.max_rows:
+            return False
+        return self.cost(batch) <= self.max_batch_tokens
+
+    def _full(self) -> bool:
+        waiting = [p.request for p in self._queue]
+        return bool(waiting) and not self._fits(waiting)
 
     def _take(self) -> list[_Pending[Q, R]]:
+        # A caller that timed out left its future answered-or-abandoned: skip those.
+        self._queue = [p for p in self._queue if not p.future.done()]
+        if not self._queue:
+            return []
         key = self._queue[0].request.batch_key
-        batch = [p for p in self._queue if p.request.batch_key == key][: self.max_batch_size]
+        batch: list[_Pending[Q, R]] = []
+        for p in self._queue:
+            if p.request.batch_key != key:
+                continue
+            # In arrival order, while they fit; the first one always goes (alone if need be).
+            if batch and not self._fits([q.request for q in batch] + [p.request]):
+                break
+            batch.append(p)
         taken = {id(p) for p in batch}
         self._queue = [p for p in self._queue if id(p) not in taken]
         return batch
 
     async def _loop(self) -> None:
         assert self._arrived is not None and self._idle is not None
-        while True:
-            await self._arrived.wait()
-            self._arrived.clear()
-            if not self._queue:
-                continue
-            self._idle.clear()
-            # Let the rest of the burst arrive, unless a full batch is already waiting.
-            if len(self._queue) < self.max_batch_size and self.window_s > 0:
-                await asyncio.sleep(self.window_s)
-            while self._queue:
-                batch = self._take()
-                await self._run_one(batch)
+        try:
+            while True:
+                await self._arrived.wait()
+                self._arrived.clear()
+                if not self._queue:
+                    continue
+                self._idle.clear()
+                # Let the rest of the burst arrive, unless a full batch is already waiting.
+                if not self._full() and self.window_s > 0:
+                    await asyncio.sleep(self.window_s)
+                while batch := self._take():
+                    await self._run_one(batch)
+                self._idle.set()
+        except asyncio.CancelledError as exc:
+            self._die(exc)
+            raise
+        except BaseException as exc:  # logged here: nobody awaits this task
+            logger.exception("the rollout's batch loop stopped")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self._dead = exc
+        error = BatchLoopDead(
+            f"{BatchLoopDead.code}: the rollout's batch loop stopped "
+            f"({type(exc).__name__}: {exc}); no request can be served"
+        )
+        error.__cause__ = exc
+        for p in [*self._running, *self._queue]:
+            if not p.future.done():
+                p.future.set_exception(error)
+        self._running, self._queue = [], []
+        if self._idle is not None:
             self._idle.set()
 
     async def _run_one(self, batch: list[_Pending[Q, R]]) -> None:
@@ -115,17 +219,19 @@ class Batcher(Generic[Q, R]):
         self.batches_run += 1
         self.requests_run += len(batch)
         self.largest_batch = max(self.largest_batch, len(batch))
+        self.largest_batch_tokens = max(self.largest_batch_tokens, self.cost(requests))
+        self._running = batch  # a BaseException leaves it set: _die answers it
         try:
             results = await asyncio.to_thread(self._run, requests, self._stop.is_set)
             if len(results) != len(batch):
                 raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
-        except BaseException as exc:  # the callers get the error, the loop goes on
+        except Exception as exc:  # the batch's callers get the error, the loop goes on
+            self._running = []
             for p in batch:
                 if not p.future.done():
                     p.future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
             return
+        self._running = []
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(result)
@@ -141,7 +247,7 @@ class Batcher(Generic[Q, R]):
         for p in queued:
             if not p.future.done():
                 p.future.set_result(self._aborted(p.request))
-        await self._idle.wait()
+        await self._wait(self._idle.wait(), "abort (waiting for the running batch)")
         return len(queued)
 
     def resume(self) -> None:
@@ -154,9 +260,13 @@ class Batcher(Generic[Q, R]):
         """Wait until nothing is queued or running."""
         self._start()
         assert self._idle is not None
-        while self._queue or not self._idle.is_set():
-            await self._idle.wait()
-            await asyncio.sleep(0)
+
+        async def idle() -> None:
+            while (self._queue or not self._idle.is_set()) and self._dead is None:
+                await self._idle.wait()
+                await asyncio.sleep(0)
+
+        await self._wait(idle(), "drain")
 
     @property
     def queued(self) -> int:

@@ -1,17 +1,13 @@
 """The model behind the Pascal rollout: loading, batched generation, weight updates.
 
-Generation is HF ``generate`` over a left-padded batch, with the sampling done by our
-own last logits processor (HF's temperature/top-k/top-p warpers are switched off):
+Generation is our own decode loop (``decode``: per-row settings, finished rows dropped,
+log-probs of the distribution sampled from) over a batch the batcher bounded by
+``max_batch_tokens``. Out of memory, a batch is split in two and each half retried, and
+later batches run in chunks below the size that failed; one row that still does not
+fit fails with ``RolloutOutOfMemory``, naming its tokens and the budget.
 
-- each row keeps its own temperature, top-k, top-p and repetition penalty, so the
-  requests that arrive together run together whatever their settings;
-- the log-prob of each sampled token is taken from the very distribution it was drawn
-  from (verl's default ``logprobs_mode=processed_logprobs``; ``raw_logprobs`` takes
-  the model's own softmax instead), holding one ``(batch, vocab)`` row of log-probs
-  between steps rather than HF's ``output_scores`` (``batch * vocab * steps``: about
-  20 GB fp32 for 64 rows of 512 tokens of a 152K vocabulary, more than a P40 has).
-
-Nothing here imports verl or Ray: the server hands in the model config's pieces.
+``HFGenerator`` takes a module, not a path: the rollout's own copy (``load_model``) or
+a module the caller owns (the trainer's policy). Nothing here imports verl or Ray.
 """
 
 from __future__ import annotations
@@ -24,21 +20,14 @@ from typing import Any
 import torch
 import transformers
 from packaging.version import Version
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import AutoModelForCausalLM, GenerationConfig
 
-from oldgpu.rollout.sampling import Generated, Request, finish_row
+from oldgpu.rollout.decode import PROCESSED, RAW, decode
+from oldgpu.rollout.sampling import Generated, Request, batch_tokens
 
 logger = logging.getLogger(__name__)
 
-PROCESSED = "processed_logprobs"
-RAW = "raw_logprobs"
+__all__ = ["PROCESSED", "RAW", "HFGenerator", "RolloutOutOfMemory", "load_model"]
 
 # transformers renamed from_pretrained/from_config's torch_dtype= to dtype= in 4.56.
 _DTYPE_KW = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
@@ -78,91 +67,18 @@ def load_model(
     return model.to(device)
 
 
-class _Sampler(LogitsProcessor):
-    """The last logits processor: applies each row's settings and records log-probs.
-
-    At step t HF calls it with the ids so far, whose last column is the token sampled
-    at step t-1: its log-prob is gathered from the row kept from step t-1. The last
-    step's token is gathered by ``finish`` once ``generate`` returns.
-    """
-
-    def __init__(self, requests: Sequence[Request], logprobs_mode: str, device: torch.device):
-        self.raw = logprobs_mode == RAW
-        f32 = torch.float32
-        self.temperature = torch.tensor([r.temperature for r in requests], dtype=f32, device=device)
-        self.greedy = self.temperature <= 0
-        self.top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
-        self.top_p = torch.tensor([r.top_p for r in requests], dtype=f32, device=device)
-        self.penalty = torch.tensor(
-            [r.repetition_penalty for r in requests], dtype=f32, device=device
-        )
-        self.any_penalty = bool((self.penalty != 1.0).any())
-        self.any_top_k = bool((self.top_k > 0).any())
-        self.any_top_p = bool((self.top_p < 1.0).any())
-        self.any_greedy = bool(self.greedy.any())
-        self.prev: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def _gather_prev(self, tokens: torch.Tensor) -> None:
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(1, tokens[:, None]).squeeze(1).float().cpu())
-            self.prev = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self._gather_prev(input_ids[:, -1])
-        scores = scores.float()
-        raw_lp = torch.log_softmax(scores, dim=-1) if self.raw else None
-        if self.any_penalty:
-            # As HF's and vLLM's repetition penalty: over the prompt and the output so far.
-            seen = scores.gather(1, input_ids)
-            pen = self.penalty[:, None]
-            seen = torch.where(seen < 0, seen * pen, seen / pen)
-            scores = scores.scatter(1, input_ids, seen)
-        temps = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
-        scores = scores / temps[:, None]
-        if self.any_top_k or self.any_top_p:
-            scores = self._top_k_top_p(scores)
-        lp = raw_lp if self.raw else torch.log_softmax(scores, dim=-1)
-        if self.any_greedy:
-            # Greedy rows: only the argmax survives, so HF's multinomial draws it.
-            best = scores.argmax(dim=-1, keepdim=True)
-            onehot = torch.full_like(scores, float("-inf")).scatter(1, best, 0.0)
-            scores = torch.where(self.greedy[:, None], onehot, scores)
-        self.prev = lp
-        return scores
-
-    def _top_k_top_p(self, scores: torch.Tensor) -> torch.Tensor:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        vocab = scores.shape[-1]
-        ranks = torch.arange(vocab, device=scores.device)[None, :]
-        k = torch.where(self.top_k > 0, self.top_k, torch.full_like(self.top_k, vocab))
-        drop = ranks >= k[:, None]
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        if self.any_top_p:
-            probs = sorted_scores.softmax(dim=-1)
-            # Drop a token when the mass before it already reaches top_p (keeps >= 1).
-            before = probs.cumsum(dim=-1) - probs
-            cut = (before >= self.top_p[:, None]) & (self.top_p < 1.0)[:, None]
-            sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
-        return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """(batch, steps) log-probs of the sampled tokens, on the CPU."""
-        self._gather_prev(sequences[:, -1])
-        if not self.steps:
-            return torch.zeros(sequences.shape[0], 0)
-        return torch.stack(self.steps, dim=1)
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OOM error, or the RuntimeError older torch (and some kernels) raise."""
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    if isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-class _StopOnAbort(StoppingCriteria):
-    def __init__(self, should_stop: Callable[[], bool]):
-        self.should_stop = should_stop
-        self.stopped = False
+class RolloutOutOfMemory(RuntimeError):
+    """One row alone does not fit (code ``rollout-out-of-memory``)."""
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        stop = self.should_stop()
-        self.stopped = self.stopped or stop
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+    code = "rollout-out-of-memory"
 
 
 @dataclass
@@ -184,6 +100,7 @@ class HFGenerator:
         eos_token_ids: Iterable[int],
         device: str | torch.device,
         logprobs_mode: str = PROCESSED,
+        max_batch_tokens: int | None = None,
     ):
         if logprobs_mode not in (PROCESSED, RAW):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: expected {PROCESSED} or {RAW}")
@@ -193,62 +110,83 @@ class HFGenerator:
         self.device = torch.device(device)
         self.logprobs_mode = logprobs_mode
         self._loaded_ids: set[int] = set()
+        # The batcher's budget (reported in errors), and the one an OOM taught us.
+        self.max_batch_tokens = max_batch_tokens
+        self.tokens_limit: int | None = None
+        self.oom_splits = 0
 
     # -- generation ----------------------------------------------------------------
 
-    def _left_padded(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, r in enumerate(requests):
-            n = len(r.prompt_ids)
-            ids[row, width - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[row, width - n :] = 1
-        return ids.to(self.device), mask.to(self.device)
-
-    @torch.no_grad()
     def generate(
         self, requests: Sequence[Request], should_stop: Callable[[], bool] = lambda: False
     ) -> list[Generated]:
-        """One ``generate`` over the batch (every row the same ``ignore_eos``)."""
+        """The batch's responses, in order. Runs in chunks of at most ``tokens_limit``
+        tokens (unset until an OOM teaches one); a chunk that runs out of memory is split
+        in two and each half retried, and the limit drops below it for later batches."""
         if not requests:
             return []
-        if len({r.batch_key for r in requests}) != 1:
-            raise ValueError("one batch, one batch key (ignore_eos)")
-        input_ids, attention_mask = self._left_padded(requests)
-        sampler = _Sampler(requests, self.logprobs_mode, self.device)
-        abort = _StopOnAbort(should_stop)
-        ignore_eos = requests[0].ignore_eos
-        config = GenerationConfig(
-            do_sample=True,  # our sampler decides; greedy rows get a one-hot distribution
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            num_beams=1,
-            max_new_tokens=max(r.max_tokens for r in requests),
-            eos_token_id=None if ignore_eos else list(self.eos_token_ids),
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-        )
-        sequences = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            logits_processor=LogitsProcessorList([sampler]),
-            stopping_criteria=StoppingCriteriaList([abort]),
-        )
-        new = sequences[:, input_ids.shape[1] :].cpu()
-        log_probs = sampler.finish(sequences).cpu()
-        return [
-            finish_row(
-                new[row].tolist(),
-                log_probs[row].tolist(),
-                r,
-                self.eos_token_ids,
-                aborted=abort.stopped,
+        chunks: list[list[Request]] = [[]]
+        for r in requests:
+            if (
+                chunks[-1]
+                and self.tokens_limit
+                and (batch_tokens([*chunks[-1], r]) > self.tokens_limit)
+            ):
+                chunks.append([])
+            chunks[-1].append(r)
+        out: list[Generated] = []
+        for chunk in chunks:
+            out.extend(self._generate_or_split(chunk, should_stop, batch_tokens(requests)))
+        return out
+
+    def _generate_or_split(
+        self, requests: list[Request], should_stop: Callable[[], bool], asked: int
+    ) -> list[Generated]:
+        try:
+            return self._decode(requests, should_stop)
+        except BaseException as exc:
+            if not is_out_of_memory(exc):
+                raise
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        # Out of the except block: the traceback (and the tensors its frames hold) is gone.
+        self._free_cache()
+        tokens = batch_tokens(requests)
+        self.oom_splits += 1
+        if len(requests) == 1:
+            r = requests[0]
+            raise RolloutOutOfMemory(
+                f"{RolloutOutOfMemory.code}: one row alone runs out of memory: request "
+                f"{r.request_id!r}, {len(r.prompt_ids)} prompt + {r.max_tokens} response tokens "
+                f"(the batch asked for {asked} tokens; max_batch_tokens={self.max_batch_tokens}, "
+                f"learned limit {self.tokens_limit}): {message}"
             )
-            for row, r in enumerate(requests)
+        logger.warning(
+            "rollout batch of %d rows / %d tokens ran out of memory (%s); splitting it",
+            len(requests),
+            tokens,
+            message,
+        )
+        self.tokens_limit = min(self.tokens_limit or tokens, max(1, tokens // 2))
+        half = len(requests) // 2
+        return [
+            *self._generate_or_split(requests[:half], should_stop, asked),
+            *self._generate_or_split(requests[half:], should_stop, asked),
         ]
+
+    def _decode(self, requests: Sequence[Request], should_stop: Callable[[], bool]):
+        return decode(
+            self.model,
+            requests,
+            pad_token_id=self.pad_token_id,
+            eos_ids=self.eos_token_ids,
+            device=self.device,
+            logprobs_mode=self.logprobs_mode,
+            should_stop=should_stop,
+        )
+
+    def _free_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- weights ---------------------------------------------------------------------
 

@@ -4,8 +4,10 @@ One replica is one server on one device (the rollout's world size must be 1: HF
 ``generate`` has no tensor parallelism), so a job with N trainer ranks gets N replicas,
 one per card, each colocated with its rank. ``launch_servers`` mirrors vLLM's for that
 case: it asks the replica's worker for its node and its card, starts the server there
-under the name the adapter looks up, with Ray's NOSET variables so Ray leaves the
-card choice to the server, and waits for the model to load.
+under the name the adapter looks up, and hands it the worker: by default the server
+generates in that worker (``colocated.py``) and takes no card of its own; with
+``weights: copy`` it is given the worker's card (Ray's NOSET variables, so Ray leaves
+the choice to the server) and loads its own copy.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from typing import Any
 
 import ray
 from verl.plugin.platform import get_platform
-from verl.utils.device import get_resource_name
+from verl.utils.device import get_resource_name, get_visible_devices_keyword
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from oldgpu.rollout import ROLLOUT_NAME
+from oldgpu.rollout import ROLLOUT_NAME, colocated
 from oldgpu.rollout.adapter import server_actor_name
-from oldgpu.rollout.server import HFRolloutServer
+from oldgpu.rollout.server import HFRolloutServer, weights_mode
 
 
 def _node_and_card(worker_self: Any) -> tuple[str, str | None]:
@@ -64,11 +66,14 @@ class HFReplica(RolloutReplica):
         card: str | None = None
         if self.workers:
             node_id, card = await self.workers[0].__ray_call__.remote(_node_and_card)
+        in_trainer = bool(self.workers) and weights_mode(self.config) == colocated.TRAINER
         platform = get_platform()
-        env = {
-            **{var: "1" for var in platform.ray_noset_envvars()},
-            **platform.rollout_env_vars(),
-        }
+        env = dict(platform.rollout_env_vars())
+        if in_trainer:
+            card = None  # no model here: the server's process never opens the device
+            env[get_visible_devices_keyword()] = ""
+        else:
+            env.update({var: "1" for var in platform.ray_noset_envvars()})
         options: dict[str, Any] = {
             "name": server_actor_name(self.replica_rank),
             "runtime_env": {"env_vars": env},
@@ -89,6 +94,7 @@ class HFReplica(RolloutReplica):
             replica_rank=self.replica_rank,
             node_rank=0,
             visible_devices=card,
+            trainer=self.workers[0] if self.workers else None,
         )
         self.servers = [server]
         await asyncio.gather(*[s.launch_server.remote() for s in self.servers])

@@ -8,14 +8,23 @@ servers): ``generate`` from the agent loop; ``wake_up``/``sleep``/``clear_kv_cac
 weights from our adapter. There is no HTTP endpoint: nothing on verl's token-in-token-out
 path needs one, and the address is only the load balancer's key.
 
-Memory, in a colocated (hybrid) job: the server holds its own copy of the policy in the
-profile's compute dtype. ``sleep`` moves it to host memory while the trainer runs and
-``wake_up(["weights"])`` brings it back before the weights are copied in; HF keeps no KV
-cache between calls, so the ``kv_cache`` tags only empty the allocator's cache.
+Where it generates, in a colocated (hybrid) job (engine setting ``weights``):
+
+- ``trainer`` (the default): in the replica's trainer worker, from the parameters it
+  trains (``colocated.py``); this actor holds no model and never touches the device: it
+  batches the requests and forwards each batch. Requests that arrive while it sleeps
+  (the trainer's turn) wait for ``wake_up``, up to ``sleep_wait_s``.
+- ``copy``: its own copy of the policy in the profile's compute dtype, which the adapter
+  fills each step; ``sleep`` moves it to host memory while the trainer runs and
+  ``wake_up(["weights"])`` brings it back before the weights are copied in.
+
+HF keeps no KV cache between calls, so the ``kv_cache`` tags only empty the allocator's
+cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any
@@ -28,24 +37,52 @@ from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
-from oldgpu.rollout import ROLLOUT_NAME
-from oldgpu.rollout.batching import Batcher
+from oldgpu.rollout import ROLLOUT_NAME, colocated
+from oldgpu.rollout.batching import DEFAULT_TIMEOUT_S, Batcher
 from oldgpu.rollout.hf_engine import PROCESSED, HFGenerator, load_model
-from oldgpu.rollout.sampling import ABORTED, Generated, Limits, Request, make_request
+from oldgpu.rollout.sampling import (
+    ABORTED,
+    Generated,
+    Limits,
+    Request,
+    batch_tokens,
+    make_request,
+)
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_BATCH_WINDOW_MS = 20
+# How long a request waits for the trainer to hand the card back (a step's update).
+DEFAULT_SLEEP_WAIT_S = 1800.0
+
+
+class RolloutSettingInvalid(ValueError):
+    """An ``engine_kwargs["oldgpu-hf"]`` value the server does not take."""
+
+
+class RolloutAsleep(RuntimeError):
+    """A request waited for ``wake_up`` longer than ``sleep_wait_s``."""
 
 
 def engine_settings(config: RolloutConfig) -> dict[str, Any]:
     """Our knobs, under ``rollout.engine_kwargs["oldgpu-hf"]`` (or ``oldgpu_hf``, the
-    spelling a Hydra override can write): ``max_batch_size``, ``batch_window_ms``."""
+    spelling a Hydra override can write): ``max_batch_tokens``, ``max_batch_size``,
+    ``batch_window_ms``, ``request_timeout_s``."""
     kwargs = config.engine_kwargs or {}
     mine = kwargs.get(ROLLOUT_NAME) or kwargs.get(ROLLOUT_NAME.replace("-", "_")) or {}
     return dict(mine)
+
+
+def weights_mode(config: RolloutConfig) -> str:
+    """Where the server generates from (``colocated.TRAINER`` or ``colocated.COPY``)."""
+    mode = str(engine_settings(config).get("weights", colocated.TRAINER))
+    if mode not in colocated.WEIGHTS_MODES:
+        raise RolloutSettingInvalid(
+            f"{ROLLOUT_NAME}: engine setting weights={mode!r}; expected one of "
+            f"{', '.join(colocated.WEIGHTS_MODES)}"
+        )
+    return mode
 
 
 def profile_dtype_and_attention() -> tuple[torch.dtype, str]:
@@ -96,6 +133,7 @@ class HFRolloutServer:
         replica_rank: int,
         node_rank: int = 0,
         visible_devices: str | None = None,
+        trainer: Any = None,
     ) -> None:
         # Before anything touches the device: the trainer worker's card, as vLLM's server
         # does (the replica starts us with Ray's NOSET variables, so Ray leaves it alone).
@@ -119,10 +157,33 @@ class HFRolloutServer:
             max_model_len=int(max_len),
         )
         settings = engine_settings(self.config)
-        self.max_batch_size = int(
-            settings.get("max_batch_size", min(self.config.max_num_seqs, DEFAULT_MAX_BATCH_SIZE))
+        # Rows at once: vLLM's own cap on running sequences (max_num_seqs) unless set.
+        self.max_batch_size = int(settings.get("max_batch_size", self.config.max_num_seqs))
+        # Tokens at once (rows x (prompt + response), padded): the planner sets it from its
+        # memory model. Unset: every row the agent loop can send at full length, i.e. one
+        # pass per rollout as 0.5.0's HF rollout, with the OOM split as the backstop.
+        # (rollout.max_num_batched_tokens is vLLM's per-step scheduling budget, not its KV
+        # cache: it would cap a batch at a few rows.)
+        self.max_batch_tokens = int(
+            settings.get(
+                "max_batch_tokens",
+                self.max_batch_size * (self.config.prompt_length + self.config.response_length),
+            )
         )
         self.window_s = float(settings.get("batch_window_ms", DEFAULT_BATCH_WINDOW_MS)) / 1000
+        self.timeout_s = float(settings.get("request_timeout_s", DEFAULT_TIMEOUT_S))
+        self.sleep_wait_s = float(settings.get("sleep_wait_s", DEFAULT_SLEEP_WAIT_S))
+        # In the trainer's process: a colocated job's trainer worker, unless weights=copy.
+        self.trainer = trainer
+        self.in_trainer = (
+            rollout_mode == RolloutMode.HYBRID and weights_mode(self.config) == colocated.TRAINER
+        )
+        if self.in_trainer and trainer is None:
+            raise RolloutSettingInvalid(
+                f"{ROLLOUT_NAME}: weights=trainer needs the replica's trainer worker"
+            )
+        self._woken = asyncio.Event()
+        self._woken.set()
         self.generator: HFGenerator | None = None
         self.batcher: Batcher[Request, Generated] | None = None
         self._awake = True
@@ -135,6 +196,25 @@ class HFRolloutServer:
 
     async def launch_server(self) -> None:
         """Load the model and open for requests (the replica awaits this)."""
+        if self.in_trainer:
+            self.batcher = Batcher(
+                self._run_in_trainer,
+                lambda r: Generated(token_ids=[], stop_reason=ABORTED),
+                max_batch_tokens=self.max_batch_tokens,
+                cost=batch_tokens,
+                max_rows=self.max_batch_size,
+                window_s=self.window_s,
+                timeout_s=self.timeout_s,
+            )
+            logger.info(
+                "%s server %d: generates in its trainer worker from the trainer's weights, "
+                "batches of <= %d rows, %d tokens",
+                ROLLOUT_NAME,
+                self.replica_rank,
+                self.max_batch_size,
+                self.max_batch_tokens,
+            )
+            return
         dtype, attn = profile_dtype_and_attention()
         # Outside a colocated job nothing syncs weights before the first request.
         dummy = self.config.load_format == "dummy" and self.rollout_mode == RolloutMode.HYBRID
@@ -154,15 +234,19 @@ class HFRolloutServer:
             eos_token_ids=eos,
             device=self.device,
             logprobs_mode=self.config.logprobs_mode or PROCESSED,
+            max_batch_tokens=self.max_batch_tokens,
         )
         self.batcher = Batcher(
             self.generator.generate,
             lambda r: Generated(token_ids=[], stop_reason=ABORTED),
-            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            cost=batch_tokens,
+            max_rows=self.max_batch_size,
             window_s=self.window_s,
+            timeout_s=self.timeout_s,
         )
         logger.info(
-            "%s server %d: %s, %s, %s attention, weights %s, batches of <= %d",
+            "%s server %d: %s, %s, %s attention, weights %s, batches of <= %d rows, %d tokens",
             ROLLOUT_NAME,
             self.replica_rank,
             self.device,
@@ -170,10 +254,19 @@ class HFRolloutServer:
             attn,
             "dummy (first sync fills them)" if dummy else "from " + self.model_config.local_path,
             self.max_batch_size,
+            self.max_batch_tokens,
         )
 
     def get_server_address(self) -> str:
         return self._address
+
+    def _run_in_trainer(self, requests: Any, should_stop: Any) -> list[Generated]:
+        # In the batcher's thread: the trainer worker generates; a running batch is not
+        # stopped by abort (its queue is), the trainer's process has no flag of ours.
+        ref = self.trainer.__ray_call__.remote(
+            colocated.run_batch, self.replica_rank, list(requests)
+        )
+        return ray.get(ref)
 
     # -- generation --------------------------------------------------------------------
 
@@ -192,6 +285,18 @@ class HFRolloutServer:
         if image_data or video_data or audio_data:
             raise NotImplementedError(f"{ROLLOUT_NAME} serves text-only models")
         assert self.batcher is not None, "launch_server() first"
+        if self.config.full_determinism:  # as vLLM's server: one seed per replica
+            sampling_params = dict(sampling_params)
+            sampling_params.setdefault("seed", self.replica_rank + self.config.seed)
+        if not self._woken.is_set():
+            # The trainer's turn: its weights are changing under it; wait for wake_up.
+            try:
+                await asyncio.wait_for(self._woken.wait(), self.sleep_wait_s)
+            except TimeoutError:
+                raise RolloutAsleep(
+                    f"{ROLLOUT_NAME} server {self.replica_rank}: request {request_id} waited "
+                    f"{self.sleep_wait_s:.0f} s (sleep_wait_s) for wake_up"
+                ) from None
         request = make_request(
             prompt_ids,
             sampling_params,
@@ -224,7 +329,7 @@ class HFRolloutServer:
     # -- memory ------------------------------------------------------------------------
 
     def _empty_cache(self) -> None:
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not self.in_trainer:
             get_torch_device().empty_cache()
 
     async def sleep(self) -> None:
@@ -232,7 +337,10 @@ class HFRolloutServer:
         if not self.config.free_cache_engine or self.rollout_mode != RolloutMode.HYBRID:
             return
         await self.wait_for_requests_to_drain()
+        self._woken.clear()
         self._log_batching()
+        if self.in_trainer:
+            await self.trainer.__ray_call__.remote(colocated.release, self.replica_rank)
         if self.generator is not None and self.device.type != "cpu" and self._awake:
             self.generator.to("cpu")
             self._empty_cache()
@@ -258,6 +366,10 @@ class HFRolloutServer:
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         wants_weights = tags is None or "weights" in tags
+        if tags is None or "kv_cache" in tags:
+            # verl's last resume of a weight update (weights, sync, then kv_cache): from
+            # here requests see the step's weights.
+            self._woken.set()
         if self.generator is not None and not self._awake and wants_weights:
             self.generator.to(self.device)
             self._awake = True
@@ -318,6 +430,10 @@ class HFRolloutServer:
             "requests_run": b.requests_run if b else 0,
             "largest_batch": b.largest_batch if b else 0,
             "max_batch_size": self.max_batch_size,
+            "max_batch_tokens": self.max_batch_tokens,
+            "largest_batch_tokens": b.largest_batch_tokens if b else 0,
+            "oom_splits": self.generator.oom_splits if self.generator else 0,
             "device": str(self.device),
+            "in_trainer": self.in_trainer,
             "global_steps": self.global_steps,
         }

@@ -1,9 +1,10 @@
 # --- a LoRA actor's frozen base stored at 16 bits, computed in fp32 ---
 # ``oldgpu patch`` appends this to verl/utils/oldgpu_compat.py for every profile; the
-# sites of verl_0_5_0/base16.py call it. A job's base_dtype (bf16 or fp16) is verl's
-# actor ``fsdp_config.model_dtype``: the weights are loaded and kept at 16 bits, and FSDP's
-# MixedPrecision(param_dtype=fp32) upcasts one unit at a time just in time for its
-# forward and frees the copy after it (the adapters stay fp32: peft upcasts them). Two
+# sites of verl_0_5_0/base16.py and verl_0_9_0/base16.py call it. A job's base_dtype
+# (bf16 or fp16) is verl's actor ``fsdp_config.model_dtype``: the weights are loaded and
+# kept at 16 bits, and FSDP's MixedPrecision(param_dtype=fp32) upcasts one unit at a time
+# just in time for its forward and frees the copy after it (the adapters stay fp32: peft
+# upcasts them; on 0.9.0, adapter_cast_dtype keeps them so). Two
 # things keep that exact and small: verl's ``module.to(dtype)`` would round the float32
 # buffers too (the rotary inv_freq: a position's angle drifts), so only the parameters
 # move; and the embeddings and the lm_head get FSDP units of their own, since the root
@@ -51,3 +52,41 @@ def embedding_units(policy, module):
     ids = {id(inputs), id(outputs)}
     own = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
     return functools.partial(_or_policy, policies=[policy, own])
+
+
+def adapter_cast_dtype(module, engine_config):
+    """The dtype verl 0.9.0's LoRA build casts the trainable adapters to ("FSDP requires
+    all params in a flat group to share dtype"), or None for no cast (verl_0_9_0/base16.py).
+
+    verl casts them to the frozen base's dtype whenever the two differ: a bf16-stored base
+    would then train bf16 adapters, their gradients and Adam. Only a flat group that holds
+    both needs it: under FSDP1 (strategy ``fsdp``) the wrap policy verl builds for LoRA
+    gives every adapter a unit of its own (``get_fsdp_wrap_policy(is_lora=True)``, with
+    ``min_num_params`` 0, its default). So the wrap is dry-run with FSDP1's own recursion
+    (the embeddings' units only split groups further) and the cast kept only where some
+    unit would mix dtypes: no wrap policy, a size policy, or FSDP2 (verl's cast as ever)."""
+    base = next((p.dtype for p in module.parameters() if not p.requires_grad), None)
+    if base is None or getattr(engine_config, "strategy", "fsdp") != "fsdp":
+        return base
+    from torch.distributed.fsdp.wrap import _recursive_wrap
+    from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+
+    units = [module]
+    policy = get_fsdp_wrap_policy(module=module, config=engine_config.wrap_policy, is_lora=True)
+    if policy is not None:  # an identity "wrapper": the tree is left as it was
+        _recursive_wrap(
+            module,
+            auto_wrap_policy=policy,
+            wrapper_cls=lambda m, **_: units.append(m) or m,
+            ignored_modules=set(),
+            ignored_params=set(),
+            only_wrap_children=True,
+        )
+    depth = {id(m): name.count(".") + bool(name) for name, m in module.named_modules()}
+    owner = {}  # each parameter's innermost unit: its flat group
+    for unit in sorted(units, key=lambda m: depth[id(m)]):
+        owner.update({id(p): id(unit) for p in unit.parameters()})
+    groups: dict = {}
+    for p in module.parameters():
+        groups.setdefault(owner[id(p)], set()).add(p.dtype)
+    return base if any(len(dtypes) > 1 for dtypes in groups.values()) else None

@@ -40,15 +40,16 @@ class ModelDtypeParamsOnly(SitePatch):
         "fsdp_config.model_dtype when that is 16-bit (a LoRA job's base_dtype)"
     )
     versions = VERSIONS
-    what = "actor_module.to(torch_dtype)"
     sites = ((FSDP_WORKERS, ACTOR_BUILD, 1),)
-    NEW = f"{_compat('to_model_dtype')}(actor_module, torch_dtype)"
+    MODULE = "actor_module"  # the site's name for the model (another release's may differ)
+    what = f"{MODULE}.to(torch_dtype)"
+    NEW = f"{_compat('to_model_dtype')}({MODULE}, torch_dtype)"
 
     def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
         return [
             c
             for c in src.in_scope(scope, ast.Call)
-            if dotted(c.func) == "actor_module.to"
+            if dotted(c.func) == f"{self.MODULE}.to"
             and [dotted(a) for a in c.args] == ["torch_dtype"]
             and not c.keywords
         ]
@@ -57,7 +58,7 @@ class ModelDtypeParamsOnly(SitePatch):
         return [
             c
             for c in src.in_scope(scope, ast.Call)
-            if is_call_to(c, _compat("to_model_dtype"), "actor_module", "torch_dtype")
+            if is_call_to(c, _compat("to_model_dtype"), self.MODULE, "torch_dtype")
         ]
 
     def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
@@ -75,6 +76,7 @@ class EmbeddingUnits(SitePatch):
     what = "auto_wrap_policy = get_fsdp_wrap_policy(...)"
     sites = ((FSDP_WORKERS, ACTOR_BUILD, 1),)
     WRAP = _compat("embedding_units")
+    MODULE = "actor_module"
 
     def old_nodes(self, src: SourceFile, scope: str) -> list[ast.AST]:
         return [
@@ -92,15 +94,15 @@ class EmbeddingUnits(SitePatch):
             and _calls(a.value, self.WRAP)
             and len(a.value.args) == 2
             and _calls(a.value.args[0], "get_fsdp_wrap_policy")
-            and dotted(a.value.args[1]) == "actor_module"
+            and dotted(a.value.args[1]) == self.MODULE
         ]
 
     def rewrite(self, src: SourceFile, node: ast.AST) -> tuple[tuple[Edit, ...], str]:
         start, end = src.span(node)
         return (
             Edit(start, start, f"{self.WRAP}("),
-            Edit(end, end, ", actor_module)"),
-        ), f"get_fsdp_wrap_policy(...) -> {self.WRAP}(get_fsdp_wrap_policy(...), actor_module)"
+            Edit(end, end, f", {self.MODULE})"),
+        ), f"get_fsdp_wrap_policy(...) -> {self.WRAP}(get_fsdp_wrap_policy(...), {self.MODULE})"
 
 
 PATCHES = (ModelDtypeParamsOnly(), EmbeddingUnits())
