@@ -158,11 +158,24 @@ def guard_events(path: Path) -> dict[str, Any]:
         "log": True,
         "counts": kinds,
         "armed_pids": sorted({e["pid"] for e in events if e["event"] == "armed"}),
-        "violations": [e for e in events if e["event"] in ("violation", "arm-failed")][:20],
+        "violations": [
+            e for e in events if e["event"] in ("violation", "arm-failed", "card-arm-failed")
+        ][:20],
         "install_failed": [e for e in events if e["event"] == "install-failed"][:5],
         "memory_cap": next((e["devices"] for e in events if e["event"] == "memory-cap"), None),
         "ignored": sorted({e.get("what", "") for e in events if e["event"] == "ignored"}),
         "memory_phases": memory_phases(events),
+        # the card-wide ledger's peak (guard/card.py): every guarded process on the GPU with
+        # its context, beside nvidia-smi's device-wide samples (device_used_peak_mib)
+        "card_peak_mib": max(
+            (
+                d["peak_mib"]
+                for e in events
+                if e["event"] == "card-memory"
+                for d in e["devices"].values()
+            ),
+            default=None,
+        ),
     }
 
 

@@ -65,40 +65,69 @@ let
 
   # What each lock must hold for the pins to be true: every pinned Python
   # package (torch with the variant's local version) and the variant's own
-  # CUDA runtime wheels.
+  # CUDA runtime wheels. `set` is the default's pins or a newer release's.
   expectedIn =
-    variant:
+    set: variant:
     let
-      v = pins.torch.variants.${variant};
+      v = set.torch.variants.${variant};
       local = name: if name == "torch" then v.local_version else "";
     in
     (listToAttrs (
       map (name: {
         name = normalise name;
-        value = pins.python_packages.${name} + local name;
-      }) (attrNames pins.python_packages)
+        value = set.python_packages.${name} + local name;
+      }) (attrNames set.python_packages)
     ))
     // (v.requires or { })
     // {
-      torch = pins.torch.version + v.local_version;
-      triton = pins.torch.triton;
+      torch = set.torch.version + v.local_version;
+      triton = set.torch.triton;
     };
 
-  disagreements =
-    variant:
-    let
-      want = expectedIn variant;
-      have = locks.${variant};
-      wrong = filter (n: (have.${n} or null) != want.${n}) (attrNames want);
-    in
-    map (
-      n:
-      "${n}: files/pins.json says ${want.${n}}, files/requirements/${variant}.lock ${
-        if have ? ${n} then "has ${have.${n}}" else "does not list it"
-      }"
-    ) wrong;
+  compare =
+    want: have: file:
+    map
+      (
+        n:
+        "${n}: files/pins.json says ${want.${n}}, files/requirements/${file} ${
+          if have ? ${n} then "has ${have.${n}}" else "does not list it"
+        }"
+      )
+      (filter (n: (have.${n} or null) != want.${n}) (attrNames want));
 
-  allDisagreements = disagreements "cu118" ++ disagreements "pypi";
+  disagreements = variant: compare (expectedIn pins variant) locks.${variant} "${variant}.lock";
+
+  # The newer verl releases (pins.verl_releases), each with its own locks: the
+  # default index's (<lock>.lock, CPU hosts) and PyTorch's cu118 one
+  # (<lock>-cu118.lock), keyed as the default's variants are.
+  releasePins = pins.verl_releases or { };
+  releaseLockName =
+    version: variant:
+    releasePins.${version}.lock + (if variant == "cu118" then "-cu118" else "") + ".lock";
+  releaseLocks = builtins.mapAttrs (
+    version: _:
+    listToAttrs (
+      map (variant: {
+        name = variant;
+        value = readLock (root + "/files/requirements/${releaseLockName version variant}");
+      }) (attrNames locks)
+    )
+  ) releasePins;
+  releaseDisagreements = builtins.concatLists (
+    map (
+      version:
+      builtins.concatLists (
+        map (
+          variant:
+          compare (expectedIn releasePins.${version} variant) releaseLocks.${version}.${variant} (
+            releaseLockName version variant
+          )
+        ) (attrNames locks)
+      )
+    ) (attrNames releasePins)
+  );
+
+  allDisagreements = disagreements "cu118" ++ disagreements "pypi" ++ releaseDisagreements;
 
   # The pins, once they are known to agree with the locks; every output goes
   # through this, so a flake whose pins and locks disagree does not evaluate.
@@ -277,7 +306,24 @@ in
     driverBranches
     driverProblem
     nvidiaPackageFor
+    releaseLocks
     ;
+
+  # The newer releases a host may carry, from the pins (checked against their
+  # locks), with the engine's places for each (`oldgpu paths`: venv, tree, sdist).
+  releases = builtins.mapAttrs (
+    version: r:
+    r
+    // {
+      inherit version;
+      where = engine.paths.releases.${version};
+    }
+  ) (checkedPins.verl_releases or { });
+  releaseLockFile =
+    version: variant: root + "/files/requirements/${releaseLockName version variant}";
+  # VERL_DIR_0_9_0 / VERL_VENV_0_9_0: the variables the engine reads a release's
+  # places from (oldgpu.verl_release.dirs).
+  releaseSuffix = version: dotted "_" version;
 
   # Attribute names in nixpkgs, from the pins: python311, cudaPackages_11_8.
   pythonAttr = "python" + dotted "" versions.python;

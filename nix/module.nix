@@ -160,6 +160,27 @@ let
       --ignore verl ${args venvSources}
   '';
 
+  # The newer verl releases the host carries (pins.verl_releases), as the roles'
+  # verl_releases: each its own venv from its own lock and its own patched tree,
+  # in the engine's places for it (`oldgpu paths`: /opt/verl/venv-<v>, verl-<v>).
+  knownReleases = builtins.attrNames oldgpu.releases;
+  releases = map (v: oldgpu.releases.${v}) (
+    builtins.filter (v: builtins.elem v knownReleases) cfg.verlReleases
+  );
+  releaseTree = r: flakePackages.verlReleaseFor r.version cfg.gpu.architecture;
+  releaseLock =
+    r:
+    builtins.path {
+      path = oldgpu.releaseLockFile r.version cfg.python.lock;
+      name = "verl-${r.version}-${cfg.python.lock}.lock";
+    };
+  # Not for releases, as in the roles: python.extraPackages (the default's venv only).
+  releaseVenvScript = builtins.concatStringsSep "" (map (r: ''
+    oldgpu venv ensure ${releaseLock r} ${codeDir} --link ${r.where.venv_dir} --venvs ${r.where.venvs_dir} \
+      --python ${cfg.python.package}/bin/python3 --keep ${toString cfg.python.keepPrevious} \
+      --ignore verl ${args pipSources}
+  '') releases);
+
   driverLibraries = "/run/opengl-driver/lib:${flakePackages.runtime-libs}/lib";
 in
 {
@@ -288,6 +309,19 @@ in
       };
     };
 
+    verlReleases = mkOption {
+      type = types.listOf types.str;
+      default = [ ];
+      example = [ "0.9.0" ];
+      description = ''
+        Newer verl releases to carry beside the default (${oldgpu.versions.verl}), as the
+        roles' verl_releases: each one's venv from its own lock (files/pins.json
+        verl_releases) and its sdist patched for gpu.architecture, in the engine's
+        places for it. A job picks one with verl_version. One of:
+        ${builtins.concatStringsSep ", " (builtins.attrNames oldgpu.releases)}.
+      '';
+    };
+
     jobs = mkOption {
       type = types.attrsOf (types.submodule jobModule);
       default = { };
@@ -306,6 +340,10 @@ in
           message = "services.verl-train.python.torchIndexUrl is empty: torch ${oldgpu.versions.torch}+cu118 is only on PyTorch's cu118 wheel index; set it to that index (or a mirror), or python.wheelhouse to a directory holding its wheels";
         }
       ]
+      ++ map (v: {
+        assertion = builtins.elem v knownReleases;
+        message = "verl-version-unknown: services.verl-train.verlReleases = ${builtins.toJSON cfg.verlReleases}: each must be one of files/pins.json's verl_releases (${builtins.concatStringsSep ", " knownReleases}); the default release ${oldgpu.versions.verl} is always installed";
+      }) cfg.verlReleases
       ++ lib.concatMap (
         name:
         let
@@ -319,6 +357,12 @@ in
           {
             assertion = job.name == name;
             message = "services.verl-train.jobs.${name}.name is ${job.name}: a job's name is its attribute name";
+          }
+          {
+            # A newer release runs from its own venv and tree: the host must carry it.
+            assertion =
+              !(builtins.elem job.verl_version knownReleases) || builtins.elem job.verl_version cfg.verlReleases;
+            message = "job-verl-release-missing in job ${name}: verl_version ${job.verl_version} is not one of the releases this host carries (services.verl-train.verlReleases = ${builtins.toJSON cfg.verlReleases}); add it there";
           }
           {
             assertion = job.secretsFile == null || builtins.substring 0 11 job.secretsFile != "/nix/store/";
@@ -351,7 +395,11 @@ in
         "d ${paths.log_dir} 0750 ${paths.user} ${paths.group} -"
         "d ${paths.config_dir} 0755 root root -"
         "d ${jobsDir} 0750 root ${paths.group} -"
-      ];
+      ]
+      ++ lib.concatMap (r: [
+        "d ${r.where.venvs_dir} 0755 root root -"
+        "L+ ${r.where.verl_dir} - - - - ${releaseTree r}"
+      ]) releases;
 
       # The template unit itself, unchanged; NixOS's additions go in drop-ins.
       systemd.packages = [ flakePackages.unit ];
@@ -367,10 +415,23 @@ in
             VERL_VENV = venvDir;
             VERL_DIR = "${cfg.verlPackage}";
             LD_LIBRARY_PATH = driverLibraries;
-          };
+          }
+          # A job's verl_version picks these (oldgpu.verl_release.dirs reads them).
+          // builtins.listToAttrs (
+            lib.concatMap (r: [
+              {
+                name = "VERL_DIR_${oldgpu.releaseSuffix r.version}";
+                value = "${releaseTree r}";
+              }
+              {
+                name = "VERL_VENV_${oldgpu.releaseSuffix r.version}";
+                value = r.where.venv_dir;
+              }
+            ]) releases
+          );
         };
         verl-venv = {
-          description = "The verl training venv from ${cfg.python.lock}.lock";
+          description = "The verl training venvs from ${cfg.python.lock}.lock and the releases' locks";
           wantedBy = [ "multi-user.target" ];
           wants = [ "network-online.target" ];
           after = [ "network-online.target" ];
@@ -383,7 +444,7 @@ in
             Type = "oneshot";
             RemainAfterExit = true;
           };
-          script = venvScript;
+          script = venvScript + releaseVenvScript;
         };
       }
       // lib.mapAttrs' (

@@ -98,6 +98,38 @@ let
       oldgpu patch $out --profile ${profile} --check
     '';
 
+  # A newer release's tree (pins.verl_releases): its sdist at the pinned sha256
+  # (the verl role's `oldgpu verl-sdist` checks the same sum), unpacked and patched
+  # for one architecture's profile by the engine, as the role's release phase does.
+  verlReleaseSrc =
+    version:
+    pkgs.fetchPypi {
+      pname = "verl";
+      inherit version;
+      sha256 = oldgpu.releases.${version}.sdist_sha256;
+    };
+  verlReleaseFor =
+    version: arch:
+    let
+      profile = oldgpu.profiles.${arch}.name;
+    in
+    pkgs.runCommand "verl-patched-${version}-${profile}" {
+      nativeBuildInputs = [
+        oldgpu-engine
+        pkgs.gnutar
+        pkgs.gzip
+      ];
+      passthru = {
+        inherit profile version;
+        src = verlReleaseSrc version;
+      };
+    } ''
+      mkdir $out
+      tar -xzf ${verlReleaseSrc version} -C $out --strip-components=1 --no-same-owner
+      oldgpu patch $out --profile ${profile}
+      oldgpu patch $out --profile ${profile} --check
+    '';
+
   # The template unit, the same bytes the verl_jobs role installs.
   unit = pkgs.runCommand "verl-train-unit-${version}" {
     passthru.unitFile = oldgpu.unitFileStore;
@@ -140,6 +172,8 @@ in
     verl-train
     verl-src
     verlPatchedFor
+    verlReleaseSrc
+    verlReleaseFor
     unit
     runtime-libs
     host-driver

@@ -1,6 +1,6 @@
 """`oldgpu plan` and a job share their defaults and their refusals (issue 34, item 4), a job
-left without `gpus` uses the host's cards, and verl 0.9.0's plan counts the rollout
-server's KV cache for the batch the server holds (item 5)."""
+left without `gpus` uses the host's cards, and verl 0.9.0's plan counts its rollout as
+0.5.0's HF rollout in the trainer's process and gives the server its batch (issue 32)."""
 
 from __future__ import annotations
 
@@ -116,8 +116,10 @@ def test_the_planner_is_told_the_release(capsys):
     code, old = plan_cli(capsys, *argv)
     code2, new = plan_cli(capsys, *argv, "--verl-version", NEWER)
     assert code == code2 == 0
-    assert "actor_rollout_ref.rollout.max_num_seqs=64" in new["hydra_overrides"]
-    assert not any("max_num_seqs" in o for o in old["hydra_overrides"])
+    batch = new["choice"]["train_batch_size"] * 4  # the GPU's whole rollout batch
+    assert f"actor_rollout_ref.rollout.max_num_seqs={batch}" in new["hydra_overrides"]
+    assert f"{memory.SERVER_TOKENS_KEY}={batch * (512 + 256)}" in new["hydra_overrides"]
+    assert not any("max_num_seqs" in o or "oldgpu_hf" in o for o in old["hydra_overrides"])
     code, doc = plan_cli(capsys, *argv, "--verl-version", "0.6.1")
     assert (code, doc["error"]) == (2, "verl-version-unknown")
     code, doc = plan_cli(capsys, "--arch", "ampere", "--gpu-mib", "40960", "--verl-version", NEWER)
@@ -189,11 +191,11 @@ def test_the_cpu_profile_counts_all_as_one_worker(job_dir):
     assert "trainer.n_gpus_per_node=1" in doc["argv"]
 
 
-# -- verl 0.9.0's plan: the rollout server's KV cache and batch --------------------------
+# -- verl 0.9.0's plan: the rollout in the trainer's process, as 0.5.0's HF rollout ------
 
 
 def issue_inputs(version: str) -> plan.Inputs:
-    """The issue's job: GRPO x 4 + LoRA 32 on Qwen2.5-1.5B, a P40, a job's 256 + 256."""
+    """Issue 34's job: GRPO x 4 + LoRA 32 on Qwen2.5-1.5B, a P40, a job's 256 + 256."""
     prof = profile.profile_for_arch("pascal")
     return plan.Inputs(
         memory_mib=24576, gpus=1, shape=SHAPES["qwen2.5-1.5b"], prompt_length=256,
@@ -207,36 +209,89 @@ def reason(doc: dict[str, Any], key: str) -> str:
     return next(r for r in doc["reasons"] if r.startswith(key + "="))
 
 
-def test_the_newer_releases_plan_counts_the_servers_kv_cache():
-    """The issue's numbers: 0.5.0 plans 48, 0.9.0 256 (1,024 sequences) "explained as KV
-    cache 0 MiB for 1024 x 512 tokens". The server generates at most its batch at once
-    and queues the rest, so its KV cache is of that batch; the plan says so and sets it."""
+def test_the_newer_release_counts_its_rollout_as_the_hf_rollout():
+    """0.9.0 generates in the trainer's process from its own parameters: its generate
+    phase is 0.5.0's to the MiB (the KV cache and sampling of the GPU's whole rollout
+    batch), with no second weight copy and no second CUDA context in any phase."""
+    old_inp, new_inp = issue_inputs(verl_release.default()), issue_inputs(NEWER)
+    found = plan.plan(new_inp)
+    choice = found.choice
+    for phase in found.phases:
+        old, new = (memory.estimate_phase(i, choice, phase) for i in (old_inp, new_inp))
+        assert new.context == old.context == memory.CUDA_CONTEXT_MIB, phase
+        assert new.resident == old.resident, phase
+    old, new = (memory.estimate_phase(i, choice, "generate") for i in (old_inp, new_inp))
+    assert new.as_dict() == old.as_dict()
+    assert "rollout_server" not in json.dumps(new.as_dict())
+
+
+def test_the_newer_releases_plan_gives_the_server_its_batch_and_tokens():
+    found = plan.plan(issue_inputs(NEWER))
+    doc = plan.payload(found)
+    rows = found.choice.train_batch_size * 4
+    assert rows > 64  # no fixed cap of 64 requests: the whole rollout batch in one pass
+    assert f"actor_rollout_ref.rollout.max_num_seqs={rows}" in doc["hydra_overrides"]
+    key = memory.SERVER_TOKENS_KEY
+    assert f"{key}={rows * 512}" in doc["hydra_overrides"]
+    kv = found.phases["generate"].moments["decode"]["kv_cache"]
+    assert f"KV cache {kv:.0f} MiB for {rows} x 512 tokens per GPU" in reason(
+        doc, "data.train_batch_size"
+    )
+    assert f"{rows} sequences x 512 tokens" in reason(doc, key)
+    # the 0.5.0 plan of the same job is as it was: no server keys
     old = plan.payload(plan.plan(issue_inputs(verl_release.default())))
     assert "data.train_batch_size=48" in old["hydra_overrides"]
-    assert "KV cache 5568 MiB for 192 x 512 tokens" in reason(old, "data.train_batch_size")
+    assert not any(k in o for o in old["hydra_overrides"] for k in ("max_num_seqs", "oldgpu_hf"))
 
+
+def test_the_servers_token_budget_is_bounded_by_the_memory_left():
     found = plan.plan(issue_inputs(NEWER))
-    new = plan.payload(found)
-    assert found.choice.train_batch_size == 256
-    rows = memory.server_batch(found.inputs, 256)
-    assert rows == memory.ROLLOUT_SERVER_BATCH == 64  # of the 1024 sequences
-    gen = found.phases["generate"]
-    kv = gen.moments["decode"]["rollout_server_kv_cache"]
-    # Qwen2.5-1.5B: 2 x 28 layers x 2 KV heads x 128 x 4 B per token, one layer twice
-    per_token = 2 * 28 * 2 * 128 * 4
-    assert kv == pytest.approx(per_token * rows * 512 * (1 + 1 / 28) / 2**20)
-    line = reason(new, "data.train_batch_size")
-    assert f"KV cache {kv:.0f} MiB for 64 x 512 tokens" in line
-    assert "of the 1024 sequences per GPU" in line
-    assert "KV cache 0 MiB" not in json.dumps(new)
-    # the server holds the batch the plan counted: the plan sets it
-    assert f"actor_rollout_ref.rollout.max_num_seqs={rows}" in new["hydra_overrides"]
+    inp, gen, batch = found.inputs, found.phases["generate"], found.choice.train_batch_size
+    want = batch * 4 * inp.seq
+    assert memory.rollout_tokens(inp, gen, batch, 10**6) == want  # room to spare
+    # a cap that leaves the KV cache half its room: about half the tokens
+    kv = gen.moments["decode"]["kv_cache"]
+    tight = int(gen.peak - kv * gen.reserve_factor / 2)
+    half = memory.rollout_tokens(inp, gen, batch, tight)
+    assert want * 0.45 < half < want * 0.55
+    # never less than one whole sequence
+    assert memory.rollout_tokens(inp, gen, batch, 0) == inp.seq
 
 
-def test_the_servers_batch_is_the_gpus_rollout_batch_when_smaller():
-    inp = issue_inputs(NEWER)
-    assert memory.server_batch(inp, 8) == 32  # 8 prompts x 4 responses
-    assert memory.server_batch(inp, 256) == memory.ROLLOUT_SERVER_BATCH
+def test_a_plan_over_the_card_is_refused_by_name(capsys):
+    """The per-process cap may allow what the card cannot hold (a small headroom): the
+    card-wide sum of the job's processes on one GPU, contexts counted, is refused."""
+    argv = ("--arch", "pascal", "--gpu-mib", "24576", "--algorithm", "grpo", "--rollout-n", "4")
+    code, doc = plan_cli(capsys, *argv, "--verl-version", NEWER)
+    assert code == 0
+    card = doc["estimate"]["card"]
+    assert card["usable_mib"] == 24576 - memory.CARD_RESERVED_MIB
+    assert [p["process"] for p in card["processes"]] == ["trainer"]  # one process, one context
+    assert card["processes"][0]["peak_mib"] == doc["estimate"]["peak_mib"] <= card["usable_mib"]
+    for version in (verl_release.default(), NEWER):
+        code, doc = plan_cli(capsys, *argv, "--headroom-mib", "0", "--verl-version", version)
+        assert (code, doc["error"]) == (2, "plan-over-card"), doc
+        assert "over the card's usable 23040 MiB" in doc["message"]
+        assert "--headroom-mib" in doc["message"]
+
+
+def test_the_card_reserve_is_the_guards():
+    from oldgpu import guard
+
+    for cc, cap in guard.DEFAULT_MEMORY_MIB.items():
+        total = {"3.7": 12, "5.2": 24, "6.0": 16, "6.1": 24, "7.0": 32, "7.5": 16}[cc] * 1024
+        assert total - memory.CARD_RESERVED_MIB == cap, cc
+
+
+def test_a_job_over_the_card_is_refused_by_name(job_dir, monkeypatch):
+    """``oldgpu job`` plans through the same check: a card that keeps more for its driver
+    (here 4 GiB) than the planner's margin leaves a plan over the card."""
+    monkeypatch.setattr(memory, "CARD_RESERVED_MIB", 4096)
+    with pytest.raises(EngineError) as exc:
+        jobs.compose(job(job_dir), jobs.resolve_profile(job(job_dir), []), 24576,
+                     QWEN05B_CONFIG, environ={})  # fmt: skip
+    assert exc.value.name == "plan-over-card"
+    assert "train_batch_size" in exc.value.message  # the job's own setting, not a flag
 
 
 def test_a_jobs_plan_explains_itself_in_the_jobs_terms(job_dir):

@@ -175,11 +175,12 @@ def test_the_field_round_trips_through_the_env_file(job_dir):
     assert jobs.job_from_env(jobs.parse_env(text)).verl_version == NEWER
 
 
-def test_the_newer_release_gets_the_same_micro_batches(job_dir):
+def test_the_newer_release_gets_the_same_micro_batches_and_an_in_process_rollout(job_dir):
     """0.9.0's tree has the logits patch set too (verl_0_9_0/logits.py: the response's
     logits only, log-probs and entropy by rows), so the planner counts its logits as
     0.5.0's: a GRPO job of Qwen2.5-0.5B on a P40 gets the same micro batches from both;
-    only the rollout server's copy of the weights is 0.9.0's own."""
+    its rollout runs in the trainer's process (one weight copy, one context) and the plan
+    sets the server's batch and token budget."""
     grpo = {"algorithm": "grpo", "rollout_n": 4, "train_batch_size": 32}
     old, new = (overrides_of(compose(job_dir, **grpo, verl_version=v)) for v in ("", NEWER))
     for key in (
@@ -188,10 +189,12 @@ def test_the_newer_release_gets_the_same_micro_batches(job_dir):
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     ):
         assert int(new[key]) == int(old[key]), key
-    assert verl_release.plan_fields(NEWER) == {"logits_patch": True, "rollout_copy": True}
+    assert new["actor_rollout_ref.rollout.max_num_seqs"] == str(32 * 4)
+    assert new[memory.SERVER_TOKENS_KEY.lstrip("+")] == str(32 * 4 * (512 + 256))
+    assert verl_release.plan_fields(NEWER) == {"logits_patch": True, "rollout_server": True}
     assert verl_release.plan_fields(verl_release.default()) == {
         "logits_patch": True,
-        "rollout_copy": False,
+        "rollout_server": False,
     }
     # a release without the patch set computes verl's own logits (every position)
     assert verl_release.plan_fields("0.8.0")["logits_patch"] is False
@@ -200,39 +203,30 @@ def test_the_newer_release_gets_the_same_micro_batches(job_dir):
 def test_without_the_logits_patch_set_the_micro_batches_shrink():
     """What the logits patch set is worth to the plan: verl's own logits (every position,
     log-probs and entropy over whole micro batches) leave less room for the micro batch."""
-    base = plan_inputs(critic=False, rollout_n=4, rollout_copy=True, target_train_batch=32)
+    base = plan_inputs(critic=False, rollout_n=4, rollout_server=True, target_train_batch=32)
     patched = plan.plan(base)
     own = plan.plan(dataclasses.replace(base, logits_patch=False))
     assert own.choice.actor_micro < patched.choice.actor_micro
     assert own.choice.log_prob_micro < patched.choice.log_prob_micro
 
 
-def test_the_rollout_server_generates_beside_what_the_trainer_keeps():
-    """0.9.0: the server's weights, KV cache and sampling in the generate phase (the trainer
-    generates nothing there), its CUDA context in every phase."""
+def test_the_in_process_rollout_adds_no_weights_or_context():
     base = plan_inputs(critic=False, rollout_n=4)
     choice = plan.Choice(train_batch_size=32, ppo_mini_batch_size=8, actor_micro=4,
                          critic_micro=4, log_prob_micro=8, gradient_checkpointing=True,
                          offload=plan.Offload())  # fmt: skip
-    newer = dataclasses.replace(base, rollout_copy=True)
-    gen = memory.estimate_phase(newer, choice, "generate")
-    server = gen.moments["decode"]
-    assert server["rollout_server_weights"] == pytest.approx(base.shape.params() * 4 / 2**20)
-    # at most the server's batch at once (128 responses here)
-    rows = memory.ROLLOUT_SERVER_BATCH
-    kv = memory.estimate_phase(base, choice, "generate").moments["decode"]["kv_cache"]
-    assert server["rollout_server_kv_cache"] == pytest.approx(kv * rows / (32 * 4))
+    newer = dataclasses.replace(base, rollout_server=True)
     for phase in ("generate", "actor_update"):
         one, two = (memory.estimate_phase(i, choice, phase) for i in (base, newer))
-        assert two.context == one.context + memory.CUDA_CONTEXT_MIB, phase
-    assert "rollout_server_weights" not in str(memory.estimate_phase(newer, choice, "actor_update"))
+        assert two.as_dict() == one.as_dict(), phase
 
 
-def test_the_server_batch_the_planner_counts_is_the_servers():
-    # The plan sets rollout.max_num_seqs to the batch it counted (server_batch); the server
-    # takes max_num_seqs as its row cap and max_num_seqs x (prompt + response) as its
-    # default token budget, so it holds no more than planned. Read from the source: the
-    # server module imports verl, which the engine venv lacks.
+def test_the_server_holds_the_batch_the_planner_sets():
+    # The plan sets rollout.max_num_seqs to the GPU's rollout batch (and the token budget
+    # under engine_kwargs.oldgpu_hf); the server takes max_num_seqs as its row cap and
+    # max_num_seqs x (prompt + response) as its default token budget, so it holds no more
+    # than planned. Read from the source: the server module imports verl, which the
+    # engine venv lacks.
     import oldgpu.rollout
 
     source = " ".join((Path(oldgpu.rollout.__file__).parent / "server.py").read_text().split())

@@ -184,12 +184,14 @@ def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
 def plan_fields(version: str) -> dict[str, bool]:
     """What the planner counts differently for ``version``: whether its tree has the
     logits patch set (the response's logits only, log-probs and entropy by rows: the
-    patcher's registry says; 0.5.0's and 0.9.0's have it), and whether its rollout server
-    holds its own copy of the weights while it generates (a newer release's)."""
+    patcher's registry says; 0.5.0's and 0.9.0's have it), and whether it generates
+    through the ``oldgpu-hf`` server in the trainer's process, from the trainer's own
+    parameters (a newer release's: its memory counted as 0.5.0's HF rollout; the plan
+    sets the server's batch)."""
     from oldgpu.patch.registry import registry
 
     logits = any(p.name == LOGITS_PATCH and version in p.versions for p in registry())
-    return {"logits_patch": logits, "rollout_copy": version != default()}
+    return {"logits_patch": logits, "rollout_server": version != default()}
 
 
 def translate(version: str, overrides: Sequence[str]) -> list[str]:

@@ -282,9 +282,19 @@ def _break_lock(root: Path) -> None:
     path.write_text(path.read_text().replace("transformers==4.51.3", "transformers==4.52.0"))
 
 
+def _break_release_lock(root: Path) -> None:
+    path = root / "files" / "requirements" / "verl-0.9.0-cu118.lock"
+    path.write_text(path.read_text().replace("transformers==5.10.4", "transformers==5.10.5"))
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
+        (
+            _break_release_lock,
+            "transformers: files/pins.json says 5.10.4,"
+            " files/requirements/verl-0.9.0-cu118.lock has 5.10.5",
+        ),
         (
             _break_torch_pin,
             "torch: files/pins.json says 2.6.1+cu118,"
@@ -295,7 +305,7 @@ def _break_lock(root: Path) -> None:
             "transformers: files/pins.json says 4.51.3, files/requirements/cu118.lock has 4.52.0",
         ),
     ],
-    ids=["pin", "lock"],
+    ids=["release-lock", "pin", "lock"],
 )
 def test_pins_and_locks_that_disagree_fail(edited_flake, edit, needle: str) -> None:
     broken = edited_flake(edit)
@@ -426,8 +436,29 @@ def test_driver_for_pascal(host: dict) -> None:
             ' val_files = "/v"; total_steps = 1; }; }',
             "job name 'Bad!' must be 1-32 of a-z 0-9 _ -",
         ),
+        (
+            '{ services.verl-train.verlReleases = [ "0.6.1" ]; }',
+            'verl-version-unknown: services.verl-train.verlReleases = ["0.6.1"]',
+        ),
+        (
+            '{ services.verl-train.verlReleases = [ "0.5.0" ]; }',
+            "the default release 0.5.0 is always installed",
+        ),
+        (
+            '{ lib, ... }: { services.verl-train.jobs.smoke.verl_version = lib.mkForce "0.9.0"; }',
+            "job-verl-release-missing in job smoke: verl_version 0.9.0",
+        ),
     ],
-    ids=["open-on-pascal", "kepler-535", "no-580-in-25.05", "no-torch-index", "job-name"],
+    ids=[
+        "open-on-pascal",
+        "kepler-535",
+        "no-580-in-25.05",
+        "no-torch-index",
+        "job-name",
+        "release-unknown",
+        "release-default",
+        "job-release-missing",
+    ],
 )
 def test_module_refuses(flake: Flake, module: str, needle: str) -> None:
     proc = flake.run(
@@ -440,6 +471,62 @@ def test_module_refuses(flake: Flake, module: str, needle: str) -> None:
     )
     assert proc.returncode != 0
     assert needle in proc.stderr
+
+
+RELEASE_HOST = (
+    'f: let c = (f [ ({ lib, ... }: { services.verl-train.verlReleases = [ "0.9.0" ];'
+    ' services.verl-train.jobs.smoke.verl_version = lib.mkForce "0.9.0"; }) ]).config; in'
+    " { rules = c.systemd.tmpfiles.rules; script = c.systemd.services.verl-venv.script;"
+    ' env = c.systemd.services."verl-train@".environment;'
+    " failed = map (a: a.message) (builtins.filter (a: !a.assertion) c.assertions); }"
+)
+
+
+def test_a_release_is_laid_down_from_the_pins(flake: Flake, pins: dict) -> None:
+    """services.verl-train.verlReleases = [ "0.9.0" ]: the release's venv from its own lock
+    and its sdist (the pinned sha256) patched for the profile, in the engine's places, and
+    the variables a job's verl_version reads them from."""
+    from oldgpu import paths, verl_release
+
+    rel = pins["verl_releases"]["0.9.0"]
+    tree = flake.eval_json(
+        "lib.packagesFor",
+        apply=(
+            'f: let t = (f "x86_64-linux").verlReleaseFor "0.9.0" "pascal"; in'
+            " { out = t.outPath; inherit (t) name profile version;"
+            " sha256 = t.src.sha256; src = t.src.name; drv = t.drvPath; }"
+        ),
+    )
+    assert tree["sha256"] == rel["sdist_sha256"]
+    assert tree["src"] == "verl-0.9.0.tar.gz"
+    assert (tree["name"], tree["profile"], tree["version"]) == (
+        "verl-patched-0.9.0-pascal-6.1", "pascal-6.1", "0.9.0",
+    )  # fmt: skip
+    drv = subprocess.run(
+        ["nix", "show-derivation", tree["drv"]], capture_output=True, text=True, env=_env()
+    )
+    script = json.loads(drv.stdout)[tree["drv"]]["args"][-1]
+    assert "oldgpu patch $out --profile pascal-6.1 --check" in script
+
+    host = flake.eval_json("lib.testHostWith", apply=RELEASE_HOST)
+    assert host["failed"] == []  # the job on 0.9.0 is accepted: the host carries it
+    where = json.loads(_engine("paths", "--json"))["releases"]["0.9.0"]
+    assert where == paths.releases()["0.9.0"]
+    assert f"L+ {where['verl_dir']} - - - - {tree['out']}" in host["rules"]
+    assert f"d {where['venvs_dir']} 0755 root root -" in host["rules"]
+    line = next(x for x in host["script"].splitlines() if f"--link {where['venv_dir']}" in x)
+    lock = line.split()[3]
+    assert lock.startswith("/nix/store/") and lock.endswith("-verl-0.9.0-cu118.lock")
+    assert Path(lock).read_text() == (ROOT / "files/requirements/verl-0.9.0-cu118.lock").read_text()
+    assert f"--venvs {where['venvs_dir']}" in line
+    # the same sources as the default's venv (here the test host's wheelhouse)
+    assert host["script"].count("'--no-index' '--wheelhouse' '/srv/wheelhouse'") == 2
+    # the default's venv still first, with its own lock
+    assert "--link /opt/verl/venv --venvs /opt/verl/venvs" in host["script"]
+    # a job's verl_version picks the release's tree and venv from the unit's variables
+    picked = verl_release.dirs("0.9.0", host["env"])
+    assert picked == {"venv": where["venv_dir"], "tree": tree["out"]}
+    assert verl_release.dirs("0.5.0", host["env"])["tree"] == host["env"]["VERL_DIR"]
 
 
 def test_a_job_the_engine_refuses_does_not_build(flake: Flake) -> None:

@@ -17,16 +17,22 @@ profile's GPU (``OLDGPU_GUARD=pascal``: a P40, compute capability 6.1):
 - Any tensor on the guarded device created or returned in bf16 (and fp16 when the
   dtype policy is fp32, the profile's) raises :class:`GuardViolation` naming the aten op
   and the Python call site; ``torch.autocast`` to such a dtype raises when entered.
-- The caching allocator is capped at the GPU's usable memory (``set_per_process_memory_
-  fraction``, applied when CUDA initialises); ``torch.cuda.mem_get_info`` reports the cap.
+- The GPU's usable memory is capped for every guarded process on it together, contexts
+  counted (:mod:`~oldgpu.guard.card`, docs/guard.md): each process's allocator may grow
+  only into what the others leave, and the growth that would cross the card raises
+  ``guard-card-memory`` naming the process; ``torch.cuda.mem_get_info`` reports the cap.
 
 Activation is by environment, so Ray's workers inherit it: ``OLDGPU_GUARD=<profile>``
 plus ``src/oldgpu/guard_site`` first on PYTHONPATH (its ``sitecustomize`` calls
 :func:`install`). Variables:
 
 - ``OLDGPU_GUARD``: a profile (``pascal``, ``pascal-6.1``, ``volta``...; ``1`` = pascal).
-- ``OLDGPU_GUARD_MEMORY_MIB``: what torch's allocator may reserve; default per compute
-  capability (``DEFAULT_MEMORY_MIB``; P40: 23040 = 22.5 GiB); ``0`` = no cap.
+- ``OLDGPU_GUARD_MEMORY_MIB``: what the guarded processes on one GPU may hold together
+  (allocators + contexts); default per compute capability (``DEFAULT_MEMORY_MIB``; P40:
+  23040 = 22.5 GiB); ``0`` = no cap.
+- ``OLDGPU_GUARD_LEDGER``: the card-wide ledger's directory (default
+  ``/dev/shm/oldgpu-guard-<uid>``; ``off``: each process capped alone);
+  ``OLDGPU_GUARD_CONTEXT_MIB``: the context each process counts (default 600).
 - ``OLDGPU_GUARD_DTYPE``: the dtype policy, ``fp32`` (forbid bf16 and fp16) or ``fp16``
   (forbid bf16); default the profile's compute dtype.
 - ``OLDGPU_GUARD_DTYPE_CHECK``: ``ops`` (default: a TorchDispatchMode on every thread
@@ -57,8 +63,9 @@ Where each part lives: :mod:`~oldgpu.guard.policy` (what a profile forbids, the
 variables), :mod:`~oldgpu.guard.arm` (install, uninstall), :mod:`~oldgpu.guard.imports`
 (the import hooks, flash-attn hidden), :mod:`~oldgpu.guard.dtype` (the dtype checks,
 autocast), :mod:`~oldgpu.guard.backends` (TF32, SDPA, compile, Triton, the memory cap),
-:mod:`~oldgpu.guard.state` (the event log, violations), :mod:`~oldgpu.guard.report`
-(``--check``'s read-back) and :mod:`~oldgpu.guard.cli` (the command).
+:mod:`~oldgpu.guard.card` (the card-wide cap), :mod:`~oldgpu.guard.state` (the event
+log, violations), :mod:`~oldgpu.guard.report` (``--check``'s read-back) and
+:mod:`~oldgpu.guard.cli` (the command).
 """
 
 from __future__ import annotations

@@ -121,6 +121,8 @@ def uninstall() -> None:
         _STATE.installed = False
         _STATE.torch_armed = False
         _STATE.memory_cap = {}
+        _STATE.card = {}
+        _STATE.set_fraction = lambda fraction, index: None
         _STATE.events = {}
         _STATE.mode_cls = None
         _STATE.ops_ended = False

@@ -171,9 +171,12 @@ def _arm_triton(policy: Policy) -> None:
 def _arm_memory(torch: Any, policy: Policy) -> None:
     if policy.device != "cuda" or not policy.memory_mib:
         return
+    from oldgpu.guard import card
+
     cap_bytes = policy.memory_mib * 1024 * 1024
     cuda = torch.cuda
     set_fraction = cuda.set_per_process_memory_fraction
+    _STATE.set_fraction = set_fraction
 
     def apply_cap() -> None:
         for index in range(cuda.device_count()):
@@ -186,6 +189,10 @@ def _arm_memory(torch: Any, policy: Policy) -> None:
                 "fraction": fraction,
             }
         record("memory-cap", devices=_STATE.memory_cap)
+        try:  # the card-wide cap: every guarded process on a GPU together
+            card.arm(torch, policy)
+        except Exception as exc:  # recorded: a bench counts it as a failed guard
+            record("card-arm-failed", error=repr(exc))
 
     cuda._lazy_call(apply_cap)
 
@@ -196,6 +203,11 @@ def _arm_memory(torch: Any, policy: Policy) -> None:
         capped = min(fraction, memory_fraction(policy.memory_mib, total))
         if capped < fraction:
             record("ignored", what=f"set_per_process_memory_fraction({fraction}) above the cap")
+        watch = _STATE.card.get(index)
+        if watch is not None:
+            watch.requested = capped
+            watch.apply_limit()  # the lower of what is asked and what the card has left
+            return
         set_fraction(capped, index)
 
     _patch(cuda, "set_per_process_memory_fraction", set_per_process_memory_fraction)
@@ -205,7 +217,10 @@ def _arm_memory(torch: Any, policy: Policy) -> None:
     def guarded_mem_get_info(device: Any = None) -> tuple[int, int]:
         free, _total = mem_get_info(device)
         reserved = cuda.memory_reserved(device)
-        return max(0, min(free, cap_bytes - reserved)), cap_bytes
+        index = cuda._utils._get_device_index(device, optional=True) if device is not None else None
+        watch = _STATE.card.get(cuda.current_device() if index is None else index)
+        limit = cap_bytes if watch is None else int(watch.limit_mib * 1024 * 1024)
+        return max(0, min(free, limit - reserved)), cap_bytes
 
     _patch(cuda, "mem_get_info", guarded_mem_get_info)
     if getattr(cuda, "memory", None) is not None and hasattr(cuda.memory, "mem_get_info"):

@@ -33,6 +33,10 @@ class _State:
         self.handles: list[Any] = []  # torch hook handles to remove
         self.optimizer_steps = 0
         self.blocked_seen: set[str] = set()
+        # The card-wide cap (guard/card.py): a watch per CUDA device, and torch's own
+        # set_per_process_memory_fraction (the guard's wrapper caps what programs ask).
+        self.card: dict[int, Any] = {}
+        self.set_fraction: Callable[[float, int], None] = lambda fraction, index: None
 
 
 _STATE = _State()

@@ -88,10 +88,15 @@ def hydra_overrides(inp: Inputs, choice: Choice, phases: Mapping[str, PhaseEstim
             f"actor_rollout_ref.rollout.max_num_batched_tokens={vllm['max_num_batched_tokens']}",
             f"actor_rollout_ref.rollout.enforce_eager={_b(vllm['enforce_eager'])}",
         ]
-    if inp.rollout_copy:
-        # The rollout server's max batch (min of this and its default): what the plan counted.
-        batch = memory.server_batch(inp, choice.train_batch_size)
-        out.append(f"actor_rollout_ref.rollout.max_num_seqs={batch}")
+    if inp.rollout_server:
+        # The in-process server generates the GPU's whole rollout batch in one pass, within
+        # the token budget the generate phase leaves room for.
+        gen = phases["generate"]
+        tokens = memory.rollout_tokens(inp, gen, choice.train_batch_size, cap_mib(inp))
+        out += [
+            f"actor_rollout_ref.rollout.max_num_seqs={per_gpu_batch(inp, choice.train_batch_size)}",
+            f"{memory.SERVER_TOKENS_KEY}={tokens}",
+        ]
     if inp.device == "cuda":
         out.append(f"trainer.n_gpus_per_node={inp.gpus}")
     return out
@@ -163,11 +168,6 @@ def _reasons(found: Plan) -> dict[str, str]:
     kv, rows = generate_kv(inp, gen, c.train_batch_size)
     r: dict[str, str] = {}
     held = f"{rows} x {inp.seq} tokens per GPU"
-    if inp.rollout_copy:  # the server queues the rest of the GPU's rollout batch
-        held = (
-            f"{rows} x {inp.seq} tokens, the rollout server's batch of the "
-            f"{per_gpu_batch(inp, c.train_batch_size)} sequences per GPU"
-        )
     batch_line = (
         f"generate {gen.peak:.0f} MiB of the {cap} MiB cap (KV cache {kv:.0f} MiB for {held})"
     )
@@ -309,10 +309,15 @@ def _reasons(found: Plan) -> dict[str, str]:
             "CUDA graphs are captured outside vLLM's share: eager unless "
             f"{VLLM_CUDA_GRAPH_MIB} MiB are free beside the generate phase"
         )
-    if inp.rollout_copy:
+    if inp.rollout_server:
+        tokens = memory.rollout_tokens(inp, gen, c.train_batch_size, cap)
         r["actor_rollout_ref.rollout.max_num_seqs"] = (
-            f"the rollout server's max batch, whose KV cache the generate phase counts "
-            f"({kv:.0f} MiB); it queues the rest of the GPU's rollout batch"
+            "the GPU's whole rollout batch (train batch x rollout.n / GPUs) in one pass: the "
+            "server generates in the trainer's process, from its weights"
+        )
+        r[memory.SERVER_TOKENS_KEY] = (
+            f"the server's batch token budget: {rows} sequences x {inp.seq} tokens, within "
+            f"the KV cache the generate phase counts ({kv:.0f} MiB; {tokens} tokens)"
         )
     r["trainer.n_gpus_per_node"] = f"{inp.gpus}: verl divides the batch sizes by it"
     r.update(_recipe_reasons(found))
@@ -462,6 +467,11 @@ def payload(found: Plan) -> dict[str, Any]:
             "memory_mib": inp.memory_mib,
             "peak_phase": found.peak_phase,
             "per_phase": {k: v.as_dict() for k, v in found.phases.items()},
+            # every process on one GPU, with its context: what the guard caps card-wide
+            "card": {
+                "processes": memory.card_processes(inp, found.phases),
+                "usable_mib": memory.card_usable_mib(inp),
+            },
         },
         "hydra_overrides": overrides,
         "reasons": [f"{o}: {reasons.get(o.split('=', 1)[0], '')}" for o in overrides],

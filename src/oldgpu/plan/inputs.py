@@ -40,11 +40,12 @@ class Inputs:
     base_dtype: str = "fp32"
     base_auto: bool = False  # the search chose base_dtype (it was auto)
     # The verl release (oldgpu.verl_release.plan_fields): its tree has the logits patch
-    # set (the response's logits only, log-probs and entropy by rows; 0.5.0's and 0.9.0's),
-    # and its rollout server holds a copy of the weights of its own while it generates
-    # (0.9.0's oldgpu-hf).
+    # set (response-logits, entropy-by-rows: the patcher's registry says; 0.5.0's and
+    # 0.9.0's), and it generates through a rollout server in the trainer's process
+    # (0.9.0's oldgpu-hf: counted as the HF rollout, no second weight copy or context; the
+    # plan sets the server's batch and token budget).
     logits_patch: bool = True
-    rollout_copy: bool = False
+    rollout_server: bool = False
     # Who asks (plan/spelling.py): ``plan`` (oldgpu plan's flags) or ``job`` (a job's
     # settings); a refusal names what to change in the asker's own terms.
     interface: str = "plan"

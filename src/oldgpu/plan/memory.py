@@ -207,20 +207,17 @@ VLLM_MAX_UTILIZATION = 0.9
 VLLM_CUDA_GRAPH_MIB = 1536
 # verl's default max_num_batched_tokens; raised to a whole sequence when longer.
 VLLM_BATCHED_TOKENS = 8192
-# A newer release's rollout server (oldgpu-hf) generates in a process of its own beside
-# the trainer's: its weights, and the KV cache and sampling logits of the requests it
-# batches, at most this many at once (the plan sets it as rollout.max_num_seqs, the
-# server's row cap). verl 0.9.0 empties the trainer's cache in its weight sync, just
-# before generation (engine_workers.update_weights: aggressive_empty_cache), so the
-# generate phase is the trainer's resident state beside the server's footprint; the
-# server sleeps on the host after generating, keeping its CUDA context, which every other
-# phase counts. Not calibrated: the one 0.5B run (H100, GRPO batch 32 x 4,
-# bench/results/2026-12-06-h100/call6) peaked at 24,667 MiB device-wide for the trainer and
-# the server together, and its split between them was not recorded (docs/benchmarks.md).
-# The plan sets rollout.max_num_seqs to the batch it counted (``server_batch``): the server
-# takes it as its row cap and that many full-length rows as its default token budget
-# (max_batch_tokens), so it holds no more than planned.
-ROLLOUT_SERVER_BATCH = 64
+# A newer release's rollout server (0.9.0's oldgpu-hf) generates in the trainer's process
+# from the trainer's own parameters: one copy of the weights, one CUDA context, so the
+# generate phase is counted as 0.5.0's HF rollout (the KV cache and sampling of the GPU's
+# rollout batch). The plan gives the server that batch in one pass (max_num_seqs) and a
+# token budget (``rollout_tokens``) under the engine key below.
+SERVER_TOKENS_KEY = "+actor_rollout_ref.rollout.engine_kwargs.oldgpu_hf.max_batch_tokens"
+# What a card keeps from its processes: the driver's and ECC's share. The card-wide sum of
+# a job's processes on one GPU (each one's peak with its CUDA context) must stay within the
+# card's memory less this: a P40's 24 GiB -> 22.5 GiB, the guard's card-wide cap
+# (guard/policy.py's DEFAULT_MEMORY_MIB; a test keeps the two equal).
+CARD_RESERVED_MIB = 1536
 
 PHASES = (
     "generate",
@@ -319,20 +316,49 @@ def per_gpu_batch(inp: Inputs, train_batch: int) -> int:
     return max(1, math.ceil(train_batch * inp.rollout_n / inp.gpus))
 
 
-def server_batch(inp: Inputs, train_batch: int) -> int:
-    """Sequences the rollout server generates at once, whose KV cache it holds: the GPU's
-    rollout batch, at most its max batch (``ROLLOUT_SERVER_BATCH``); it queues the rest."""
-    return min(per_gpu_batch(inp, train_batch), ROLLOUT_SERVER_BATCH)
-
-
 def generate_kv(inp: Inputs, phase: PhaseEstimate, train_batch: int) -> tuple[float, int]:
     """The generate phase's KV cache in MiB at the end of decoding, and the sequences it
-    holds at once: the trainer's HF generate or vLLM (the GPU's whole rollout batch), or
-    the rollout server (its batch)."""
+    holds at once: the GPU's whole rollout batch (HF generate, vLLM, the in-process server)."""
     decode = phase.moments.get("decode", {})
-    if inp.rollout_copy:
-        return decode.get("rollout_server_kv_cache", 0.0), server_batch(inp, train_batch)
     return decode.get("kv_cache", 0.0), per_gpu_batch(inp, train_batch)
+
+
+def kv_token_mib(inp: Inputs) -> float:
+    """One token's KV cache over all layers (one layer's doubled, as DynamicCache grows)."""
+    s = inp.shape
+    layers = s.num_hidden_layers
+    per_token = 2 * layers * s.num_key_value_heads * s.dim * inp.precision.compute
+    return _mib(per_token * (1 + 1 / layers))
+
+
+def rollout_tokens(inp: Inputs, phase: PhaseEstimate, train_batch: int, cap: int) -> int:
+    """The rollout server's batch token budget: the GPU's rollout batch x (prompt +
+    response), bounded by the KV cache the cap leaves room for in the generate phase."""
+    want = per_gpu_batch(inp, train_batch) * inp.seq
+    kv, _rows = generate_kv(inp, phase, train_batch)
+    room = kv + (cap - phase.peak) / phase.reserve_factor
+    return max(inp.seq, min(want, int(room / kv_token_mib(inp))))
+
+
+def card_usable_mib(inp: Inputs) -> int:
+    """What a job's processes on one GPU may hold together (``CARD_RESERVED_MIB``)."""
+    return inp.memory_mib - CARD_RESERVED_MIB
+
+
+def card_processes(inp: Inputs, phases: dict[str, PhaseEstimate]) -> list[dict[str, Any]]:
+    """Every process the job puts on one GPU, with its peak (its CUDA context counted):
+    verl's colocated worker (actor, ref, critic, and the rollout, 0.5.0's HF one or a
+    newer release's server in the same process)."""
+    worst = max(phases, key=lambda k: phases[k].peak)
+    return [
+        {
+            "process": "trainer",
+            "holds": "actor, ref, critic, rollout" if inp.critic else "actor, ref, rollout",
+            "peak_mib": round(phases[worst].peak),
+            "context_mib": round(phases[worst].context),
+            "phase": worst,
+        }
+    ]
 
 
 def param_offload_frees(inp: Inputs) -> bool:
@@ -449,10 +475,7 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
     data_seq = 8 * (DATA_INT64_SEQ * seq + DATA_INT64_RESP * resp) + 4 * DATA_FP32_RESP * resp
     common = {"rollout_data": _mib(batch * data_seq)}
     moments: dict[str, dict[str, float]] = {}
-    if phase == "generate" and inp.rollout_copy:
-        # the server generates (see ROLLOUT_SERVER_BATCH); the trainer holds what stays
-        moments["decode"] = _rollout_server(inp, batch)
-    elif phase == "generate":
+    if phase == "generate":
         if inp.rollout == "vllm":
             moments["decode"] = _vllm_generate(inp, batch)
         else:
@@ -537,24 +560,10 @@ def estimate_phase(inp: Inputs, choice: Choice, phase: str) -> PhaseEstimate:
         if reload:
             moments["reload"] = {"reloaded_weights_copy": _mib(RELOAD_COPIES * reload)}
     context = CUDA_CONTEXT_MIB if cuda else HOST_PROCESS_MIB
-    if inp.rollout_copy and cuda:
-        context += CUDA_CONTEXT_MIB  # the server's own
     frozen = 0.0
     if lora and cuda and "actor_weights" in res:
         frozen = _mib(base_bytes / n)
     return PhaseEstimate(res, moments, common, context, reserve_factor(inp), frozen)
-
-
-def _rollout_server(inp: Inputs, batch: int) -> dict[str, float]:
-    """The rollout server's generate footprint: its weights, KV cache and sampling."""
-    s, cb = inp.shape, inp.precision.compute
-    rows = min(batch, ROLLOUT_SERVER_BATCH)  # server_batch's
-    kv_token = 2 * s.num_hidden_layers * s.num_key_value_heads * s.dim * cb
-    return {
-        "rollout_server_weights": _mib(s.params() * cb),
-        "rollout_server_kv_cache": _mib(kv_token * rows * inp.seq * (1 + 1 / s.num_hidden_layers)),
-        "rollout_server_sampling": _mib(SAMPLING_LOGITS_COPIES * rows * s.vocab_size * 4),
-    }
 
 
 def _vllm_generate(inp: Inputs, batch: int) -> dict[str, float]:

@@ -22,7 +22,14 @@ from typing import Any
 from oldgpu.output import EngineError
 from oldgpu.plan import recipes
 from oldgpu.plan.inputs import Choice, Inputs, Offload
-from oldgpu.plan.memory import PhaseEstimate, estimate, estimate_phase, per_gpu_batch
+from oldgpu.plan.memory import (
+    PhaseEstimate,
+    card_processes,
+    card_usable_mib,
+    estimate,
+    estimate_phase,
+    per_gpu_batch,
+)
 from oldgpu.plan.model import FAMILIES, PRECISIONS, SHAPES
 from oldgpu.plan.spelling import NO_CRITIC, NO_REF, setting, switch
 from oldgpu.plan.spelling import name as spell
@@ -314,11 +321,39 @@ def validate(inp: Inputs) -> None:
 
 
 def plan(inp: Inputs) -> Plan:
-    """The plan, or EngineError("plan-does-not-fit") naming what to change."""
+    """The plan, or EngineError("plan-does-not-fit") naming what to change, or
+    EngineError("plan-over-card") when its processes on one GPU hold more than the card."""
     found = search(inp)
     if found is None:
         raise EngineError("plan-does-not-fit", does_not_fit(inp))
+    check_card(found)
     return found
+
+
+def check_card(found: Plan) -> None:
+    """The card-wide sum (every process the job puts on one GPU, each with its CUDA
+    context) within the card's usable memory, as the guard caps it: a cap the per-process
+    search allowed (a small headroom) can still be over the card."""
+    inp = found.inputs
+    if inp.device != "cuda":
+        return
+    procs = card_processes(inp, found.phases)
+    total = sum(p["peak_mib"] for p in procs)
+    usable = card_usable_mib(inp)
+    if total > usable:
+        each = ", ".join(
+            f"{p['process']} {p['peak_mib']} MiB in {p['phase']} (context {p['context_mib']})"
+            for p in procs
+        )
+        raise EngineError(
+            "plan-over-card",
+            f"the plan's processes on one GPU hold {total} MiB together ({each}), over the "
+            f"card's usable {usable} MiB ({inp.memory_mib} MiB less {inp.memory_mib - usable} "
+            f"for the driver); what to change: a larger "
+            f"{spell(inp.interface, 'headroom_mib')} (the default cap is "
+            f"{int(min(inp.memory_mib - CAP_MARGIN_MIB, CAP_FRACTION * inp.memory_mib))} MiB) "
+            f"or a smaller {spell(inp.interface, 'target_train_batch')}",
+        )
 
 
 def does_not_fit(inp: Inputs) -> str:

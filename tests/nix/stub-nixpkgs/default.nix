@@ -102,6 +102,13 @@ in
         hash
         ;
     };
+  # The sdist's name and sum, for the tests to read (nothing is fetched offline).
+  fetchPypi =
+    attrs:
+    stub "${attrs.pname}-${attrs.version}.tar.gz" { }
+    // {
+      inherit (attrs) pname version sha256;
+    };
   cudaPackages_11_8.cudatoolkit = stub "cudatoolkit-11.8-stub" { };
   linuxPackages.nvidiaPackages = {
     # The branches NixOS 25.05 carries (no legacy_580 there yet).
@@ -126,6 +133,8 @@ in
       "git"
       "gnugrep"
       "gnused"
+      "gnutar"
+      "gzip"
       "makeWrapper"
       "nixfmt-rfc-style"
       "pciutils"
