@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,6 +288,13 @@ def test_an_interpreter_without_ensurepip_gets_debians_pip_wheel(
         [v.target / "bin" / "python", "-m", "pip", "--version"], capture_output=True, text=True
     )
     assert pip.returncode == 0 and str(v.target) in pip.stdout, pip.stderr
+    # Installed by name, as ensurepip does: pip freeze names its version, not a file.
+    freeze = subprocess.run(
+        [v.target / "bin" / "python", "-m", "pip", "freeze", "--all"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert re.search(r"^pip==[0-9.]+$", freeze, re.M), freeze
     out = subprocess.run([v.target / "bin" / "tinyapp"], capture_output=True, text=True)
     assert out.stdout.strip() == "tinyapp 1.0"
 

@@ -309,9 +309,12 @@ def _create(python: str, target: Path, pip_wheel: str | None) -> None:
         _run([python, "-m", "venv", str(target)], "venv-create-failed")
         return
     _run([python, "-m", "venv", "--without-pip", str(target)], "venv-create-failed")
-    # pip runs from its own wheel to install that wheel: no index, no network.
-    pip = [str(target / "bin" / "python"), f"{pip_wheel}/pip", "install", "--no-index"]
-    _run([*pip, "--no-deps", "--disable-pip-version-check", "-q", pip_wheel], "venv-create-failed")
+    # pip runs from its own wheel to install that wheel: no index, no network. By name
+    # and version from the wheel's directory, so that pip freeze says pip==X, not a path.
+    version = Path(pip_wheel).name.split("-")[1]
+    pip = [str(target / "bin" / "python"), f"{pip_wheel}/pip", "install", "--no-index", "--no-deps"]
+    links = ["--find-links", str(Path(pip_wheel).parent), f"pip=={version}"]
+    _run([*pip, "--disable-pip-version-check", "-q", *links], "venv-create-failed")
 
 
 @contextlib.contextmanager
