@@ -136,7 +136,7 @@ def apt_files(
     return {"sources": source, "preferences": "\n".join(pref)}
 
 
-def _unavailable(release: Any, want: str, why: str) -> dict[str, Any]:
+def _unavailable(release: Any, want: str, why: str, fix: str = "") -> dict[str, Any]:
     return {
         "version": want,
         "source": "missing",
@@ -148,9 +148,8 @@ def _unavailable(release: Any, want: str, why: str) -> dict[str, Any]:
         "message": (
             f"{release.name}'s python3 is {release.system_python} and the locks are made for "
             f"{want} (verl 0.5.0 needs numpy < 2, and numpy 1.26.4 has no "
-            f"{release.system_python} build); {why}: set python_env_python_mirror to a Debian "
-            f"mirror, or python_env_python to an installed CPython {want} (a relocatable build "
-            "unpacked from your mirror, pyenv's, Nix's)"
+            f"{release.system_python} build); {why}: set {fix}python_env_python to an installed "
+            f"CPython {want} (a relocatable build unpacked from your mirror, pyenv's, Nix's)"
         ),
     }
 
@@ -190,14 +189,14 @@ def choose(
     if donor is None:
         return _unavailable(release, want, f"no supported Debian release packages python{want}")
     if not apt:
-        return _unavailable(release, want, f"python_env_python_apt is off ({donor.name}'s)")
+        why = f"python_env_python_apt is off (it would take {donor.name}'s python{want})"
+        return _unavailable(release, want, why, "python_env_python_apt: true, or ")
     host = host_mirrors(release.codename, host_entries() if entries is None else entries)
     archive = (mirror or "").rstrip("/") or host["archive"]
     if not archive:
-        return _unavailable(
-            release, want, f"the host's apt sources name no {release.codename} mirror to take "
-            f"{donor.name}'s python{want} from"
-        )  # fmt: skip
+        why = f"the host's apt sources name no {release.codename} mirror to take {donor.name}'s"
+        fix = "python_env_python_mirror to a Debian mirror, or "
+        return _unavailable(release, want, f"{why} python{want} from", fix)
     security = (security_mirror or "").rstrip("/") or host["security"]
     return {
         "version": want,
