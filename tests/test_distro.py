@@ -4,10 +4,12 @@ venv's interpreter, and the refusals."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import cli_runner
 
-from oldgpu import distro, pins, profile
+from oldgpu import distro, interpreter, pins, profile
 from oldgpu.output import EngineError
 
 
@@ -107,22 +109,134 @@ def test_the_cuda_toolkit_source_per_release():
     assert (r12["cuda"]["nvcc"], r13["cuda"]["nvcc"]) == (True, False)
 
 
-def test_the_venv_interpreter_is_the_locks_not_trixies():
+TRIXIE_SOURCES = """\
+Types: deb
+URIs: http://mirror.lab.example/debian
+Suites: trixie trixie-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: http://mirror.lab.example/debian-security/
+Suites: trixie-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+"""
+
+
+@pytest.fixture
+def trixie_apt(tmp_path, monkeypatch):
+    """A stock trixie host's apt sources (deb822), plus a third party's one-line entry."""
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(TRIXIE_SOURCES)
+    (tmp_path / "sources.list.d" / "other.list").write_text(
+        "deb [signed-by=/k.gpg] http://other.lab.example/repo stable main\n"
+    )
+    monkeypatch.setattr(interpreter, "APT_DIR", tmp_path)
+    return tmp_path
+
+
+def test_the_venv_interpreter_is_the_locks_not_trixies(trixie_apt):
     assert pins.get("python.version") == "3.11"
     r12 = distro.report("debian-12")["python"]
-    assert (r12["source"], r12["path"]) == ("system", "/usr/bin/python3.11")
+    assert (r12["source"], r12["path"], r12["interpreter"]) == (
+        "system",
+        "/usr/bin/python3.11",
+        "python3.11",
+    )
+    assert r12["install"] == ["python3.11", "python3.11-venv"] and r12["apt"] is None
+    # Debian 13: Debian 12's python3.11 from the host's own mirrors, pip from trixie's wheel.
     r13 = distro.report("debian-13")["python"]
-    assert r13["source"] == "missing" and r13["error"] == "python-interpreter-unavailable"
-    assert "numpy" in r13["message"] and "python_env_python" in r13["message"]
+    assert (r13["source"], r13["path"], r13["interpreter"]) == (
+        "debian-12",
+        "/usr/bin/python3.11",
+        "python3.11",  # the venv key's interpreter, as on Debian 12
+    )
+    assert r13["install"] == ["python3.11", "python3-pip-whl"]
+    apt = r13["apt"]
+    assert (apt["mirror"], apt["security_mirror"]) == (
+        "http://mirror.lab.example/debian",
+        "http://mirror.lab.example/debian-security",
+    )
+    assert apt["packages"] == [
+        "python3.11",
+        "python3.11-minimal",
+        "libpython3.11-minimal",
+        "libpython3.11-stdlib",
+    ]
+    stanzas = [s for s in apt["sources"].split("\n\n") if "Types:" in s]
+    assert [re.search(r"Suites: (.*)", s).group(1) for s in stanzas] == [
+        "bookworm",
+        "bookworm-security",
+    ]
+    assert all("Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" in s for s in stanzas)
+    assert "URIs: http://mirror.lab.example/debian-security\n" in stanzas[1]
+    # Nothing else from bookworm: every package of it at -1, its python3.11 at 500.
+    pins_ = [
+        dict(re.findall(r"^([\w-]+): (.*)$", p, re.M)) for p in apt["preferences"].split("\n\n")
+    ]
+    pins_ = [p for p in pins_ if "Package" in p]
+    for suite in ("bookworm", "bookworm-security"):
+        rules = {p["Package"]: p["Pin-Priority"] for p in pins_ if p["Pin"] == f"release n={suite}"}
+        assert rules == {"*": "-1", " ".join(apt["packages"]): "500"}, suite
     given = distro.report("debian-13", "/opt/cpython-3.11/bin/python3.11")["python"]
-    assert (given["source"], given["path"]) == ("given", "/opt/cpython-3.11/bin/python3.11")
+    assert (given["source"], given["path"], given["install"]) == (
+        "given",
+        "/opt/cpython-3.11/bin/python3.11",
+        [],
+    )
 
 
-def test_cli_refuses_a_venv_without_an_interpreter(run_cli):
-    code, out, err = run_cli("--distro", "debian-13", "--need-python")
+def test_the_mirrors_can_be_named(trixie_apt):
+    r = distro.report(
+        "debian-13",
+        mirror="http://deb.lab.example/debian/",
+        security_mirror="http://sec.lab.example/debian-security",
+    )["python"]["apt"]
+    assert (r["mirror"], r["security_mirror"]) == (
+        "http://deb.lab.example/debian",
+        "http://sec.lab.example/debian-security",
+    )
+
+
+def test_one_line_sources_are_read_too(tmp_path):
+    (tmp_path / "sources.list").write_text(
+        "# a comment\n"
+        "deb http://mirror.lab.example/debian trixie main contrib\n"
+        "deb-src http://mirror.lab.example/debian trixie main\n"
+        "deb [arch=amd64 signed-by=/usr/share/keyrings/k.gpg]"
+        " http://sec.lab.example/ds trixie-security main\n"
+    )
+    found = interpreter.host_mirrors("trixie", interpreter.host_entries(tmp_path))
+    assert found == {
+        "archive": "http://mirror.lab.example/debian",
+        "security": "http://sec.lab.example/ds",
+        "signed_by": "/usr/share/keyrings/k.gpg",
+    }
+
+
+def test_without_a_way_to_the_interpreter_it_is_refused_by_name(trixie_apt, tmp_path):
+    off = distro.report("debian-13", apt=False)["python"]
+    assert off["source"] == "missing" and off["error"] == "python-interpreter-unavailable"
+    assert "numpy" in off["message"] and "python_env_python_apt is off" in off["message"]
+    assert "python_env_python" in off["message"]
+    # A host whose sources name no trixie mirror, and no mirror given.
+    none = distro.interpreter.choose(distro.get("debian-13"), distro.RELEASES, entries=[])
+    assert none["error"] == "python-interpreter-unavailable"
+    assert "python_env_python_mirror" in none["message"], none["message"]
+
+
+def test_cli_refuses_a_venv_without_an_interpreter(run_cli, trixie_apt):
+    code, out, err = run_cli("--distro", "debian-13", "--need-python", "--no-python-apt")
     assert code != 0 and "python-interpreter-unavailable" in err
     code, out, _ = run_cli("--json", "--distro", "debian-13", "--need-python", "--python", "/p")
     assert code == 0 and out["python"]["path"] == "/p"
+    code, out, _ = run_cli("--json", "--distro", "debian-13", "--need-python")
+    assert code == 0 and out["python"]["source"] == "debian-12"
+    code, out, _ = run_cli(
+        "--json", "--distro", "debian-13", "--python-mirror", "http://m.lab.example/debian"
+    )
+    assert out["python"]["apt"]["mirror"] == "http://m.lab.example/debian"
     code, out, _ = run_cli("--json", "--distro", "debian-12", "--need-python")
     assert code == 0 and out["driver"]["default"] == 535
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -238,6 +239,64 @@ def test_bad_input_is_named_before_anything_changes(
     assert code == 2
     assert json.loads(capsys.readouterr().out)["error"] == error
     assert not (tmp_path / "opt").exists()
+
+
+def _python_without_ensurepip(root: Path) -> Path:
+    """This interpreter as Debian 12's python3.11 is on Debian 13: no ensurepip."""
+    block = root / "block" / "ensurepip"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text(
+        "raise ImportError('no ensurepip: python3.11-venv absent')\n"
+    )
+    wrapper = root / "python3.11"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root / "block"} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _a_pip_wheel(into: Path) -> Path:
+    """A pip wheel as Debian's python3-pip-whl lays it down (this Python's own, or Debian's)."""
+    import ensurepip
+
+    found = sorted(Path(ensurepip.__file__).parent.glob("_bundled/pip-*.whl")) or sorted(
+        Path("/usr/share/python-wheels").glob("pip-*.whl")
+    )
+    assert found, "no pip wheel on this machine to stand in for python3-pip-whl"
+    into.mkdir()
+    (into / found[-1].name).write_bytes(found[-1].read_bytes())
+    return into
+
+
+def test_an_interpreter_without_ensurepip_gets_debians_pip_wheel(
+    tmp_path: Path, wheelhouse: Path, monkeypatch
+) -> None:
+    python = _python_without_ensurepip(tmp_path)
+    assert subprocess.run([python, "-c", "import ensurepip"], capture_output=True).returncode != 0
+    lock = write_lock(tmp_path / "a.lock", "tinyapp==1.0")
+    sources = ("--no-index", "--find-links", str(wheelhouse))
+    v = venv.request(lock, tmp_path / "opt", python=str(python), sources=sources)
+    # No wheel of pip: refused by name before anything is made.
+    monkeypatch.setattr(venv, "PIP_WHEELS", tmp_path / "none")
+    with pytest.raises(EngineError) as exc:
+        venv.ensure(v)
+    assert exc.value.name == "venv-no-pip" and "python3-pip-whl" in exc.value.message
+    assert not v.target.exists()
+    monkeypatch.setattr(venv, "PIP_WHEELS", _a_pip_wheel(tmp_path / "wheels"))
+    doc = venv.ensure(v)
+    assert doc["built"] and os.readlink(tmp_path / "opt" / "venv") == str(v.target)
+    pip = subprocess.run(
+        [v.target / "bin" / "python", "-m", "pip", "--version"], capture_output=True, text=True
+    )
+    assert pip.returncode == 0 and str(v.target) in pip.stdout, pip.stderr
+    # Installed by name, as ensurepip does: pip freeze names its version, not a file.
+    freeze = subprocess.run(
+        [v.target / "bin" / "python", "-m", "pip", "freeze", "--all"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert re.search(r"^pip==[0-9.]+$", freeze, re.M), freeze
+    out = subprocess.run([v.target / "bin" / "tinyapp"], capture_output=True, text=True)
+    assert out.stdout.strip() == "tinyapp 1.0"
 
 
 def test_a_real_directory_at_the_link_is_refused(tmp_path: Path, capsys) -> None:

@@ -31,13 +31,9 @@ wheelhouse as torch's own CUDA 11.8 libraries. NVIDIA's 11.8 wheels carry no nvc
 (its wheels have it from 12.x): nothing in the training stack compiles CUDA on the
 host, and a host that must gets the runfile's toolkit by hand.
 
-Why the venv needs CPython 3.11 on Debian 13: the locks are made for 3.11, and
-they cannot be made for 3.13: verl 0.5.0 requires numpy < 2 and numpy 1.26.4 has no
-3.13 build (every other pinned wheel has one, or is pure Python). Trixie packages no
-3.11 (Debian 12's python3.11 does not install beside trixie's libc/libtirpc), so the
-interpreter is the operator's: an installed CPython 3.11 (python_env_python: a
-relocatable CPython build unpacked from their mirror, pyenv's, Nix's); without it the
-roles stop with ``python-interpreter-unavailable`` before anything changes.
+The venv's interpreter is the locks' Python (3.11): Debian 13 takes Debian 12's
+python3.11 from the host's own mirror, apt-pinned to its four packages, unless the
+operator names one (oldgpu.interpreter says why and how).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oldgpu import pins, subcommand
+from oldgpu import interpreter, pins, subcommand
 from oldgpu.output import EngineError, Result
 
 OS_RELEASE = "/etc/os-release"
@@ -191,29 +187,8 @@ def key_from_os_release(text: str) -> str:
     return f"{os_id}-{version}" if os_id and version else ""
 
 
-def interpreter(release: Release, given: str | None = None) -> dict[str, Any]:
-    """The interpreter the venv is built with: the locks' Python, the system's only if it is it."""
-    want = str(pins.get("python.version"))
-    if release.system_python == want:
-        return {"version": want, "source": "system", "path": f"/usr/bin/python{want}"}
-    if given:
-        return {"version": want, "source": "given", "path": given}
-    return {
-        "version": want,
-        "source": "missing",
-        "path": None,
-        "error": "python-interpreter-unavailable",
-        "message": (
-            f"{release.name}'s python3 is {release.system_python} and the locks are made for "
-            f"{want} (verl 0.5.0 needs numpy < 2, and numpy 1.26.4 has no "
-            f"{release.system_python} build); {release.name} packages no python{want}: set "
-            f"python_env_python to an installed CPython {want} (a relocatable build unpacked "
-            f"from your mirror, pyenv's, Nix's)"
-        ),
-    }
-
-
-def report(key: str, python: str | None = None) -> dict[str, Any]:
+def report(key: str, python: str | None = None, **where: Any) -> dict[str, Any]:
+    """The release's choices; ``where``: interpreter.choose's apt, mirror, security_mirror."""
     r = get(key)
     return {
         "schema": 1,
@@ -229,7 +204,7 @@ def report(key: str, python: str | None = None) -> dict[str, Any]:
             "packages": {str(b): dict(f) for b, f in r.drivers.items()},
         },
         "cuda": dict(r.cuda, version=str(pins.get("cuda.version"))),
-        "python": interpreter(r, python),
+        "python": interpreter.choose(r, RELEASES, python, **where),
         "apt_sources": r.apt_sources,
     }
 
@@ -242,6 +217,20 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--python", metavar="PATH", help="an installed interpreter of the locks' version"
+    )
+    parser.add_argument(
+        "--no-python-apt",
+        dest="python_apt",
+        action="store_false",
+        help="never take the interpreter from another Debian release's archive",
+    )
+    parser.add_argument(
+        "--python-mirror", metavar="URI", help="the Debian mirror for it (default: the host's)"
+    )
+    parser.add_argument(
+        "--python-security-mirror",
+        metavar="URI",
+        help="the Debian security mirror for it (default: the host's)",
     )
     parser.add_argument(
         "--need-python",
@@ -257,7 +246,13 @@ def run(args: argparse.Namespace) -> Result:
             key = key_from_os_release(Path(OS_RELEASE).read_text(encoding="utf-8"))
         except OSError as exc:
             raise EngineError("os-release-unreadable", f"{OS_RELEASE}: {exc}") from exc
-    r = report(key, args.python)
+    r = report(
+        key,
+        args.python,
+        apt=args.python_apt,
+        mirror=args.python_mirror,
+        security_mirror=args.python_security_mirror,
+    )
     if args.need_python and r["python"]["source"] == "missing":
         raise EngineError(r["python"]["error"], r["python"]["message"])
     d = r["driver"]
@@ -265,6 +260,8 @@ def run(args: argparse.Namespace) -> Result:
         f"{r['name']} ({r['codename']}), kernel {r['kernel']}, python3 {r['system_python']}",
         f"driver branches: {d['branches']} (default {d['default']})",
         f"cuda {r['cuda']['version']}: from {r['cuda']['source']}",
-        f"venv interpreter: {r['python']['path'] or r['python']['message']}",
+        f"venv interpreter: {r['python']['path']} ({r['python']['source']})"
+        if r["python"]["path"]
+        else f"venv interpreter: {r['python']['message']}",
     ]
     return Result(payload=r, text="\n".join(text))

@@ -45,6 +45,10 @@ PIP_INSTALL = (
     "-m", "pip", "install", "--no-deps", "--no-cache-dir",
     "--disable-pip-version-check", "--progress-bar", "off",
 )  # fmt: skip
+# Debian's wheel of pip (python3-pip-whl), which its ensurepip installs: the venv's pip
+# where the interpreter has none (Debian 12's python3.11 on Debian 13, whose
+# python3.11-venv cannot install there; oldgpu.interpreter says why).
+PIP_WHEELS = Path("/usr/share/python-wheels")
 # Exit status of a build or verification that failed (bad input exits 2).
 BUILD_FAILED = 1
 BUILDING = ".building"
@@ -266,13 +270,14 @@ def _synced(path: Path, text: str) -> None:
 
 def build(v: Venv, imports: Sequence[str] = KEY_PACKAGES) -> None:
     """Build and verify the venv of ``v.key``; on any failure nothing of it is left."""
+    pip_wheel = _pip_wheel(v.python_path)  # refused before anything changes
     marker = v.venvs / f".{v.key}{BUILDING}"
     _synced(marker, f"{os.getpid()}\n")
     try:
         if os.path.lexists(v.target):
             shutil.rmtree(v.target)
         print(f"oldgpu venv: building {v.target} from {v.lock}", file=sys.stderr, flush=True)
-        _run([v.python_path, "-m", "venv", str(v.target)], "venv-create-failed")
+        _create(v.python_path, v.target, pip_wheel)
         python = str(v.target / "bin" / "python")
         install = [python, *PIP_INSTALL, "-r", str(v.lock), *v.pip_extras, *v.sources]
         _run(install, "venv-install-failed")
@@ -281,6 +286,35 @@ def build(v: Venv, imports: Sequence[str] = KEY_PACKAGES) -> None:
         _remove_leftover(v.target)
         raise
     marker.unlink()
+
+
+def _pip_wheel(python: str) -> str | None:
+    """None where the interpreter's ensurepip gives the venv its pip, else Debian's wheel."""
+    probe = subprocess.run([python, "-c", "import ensurepip"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        return None
+    wheels = sorted(PIP_WHEELS.glob("pip-*.whl"))
+    if not wheels:
+        raise EngineError(
+            "venv-no-pip",
+            f"{python} has no ensurepip and {PIP_WHEELS} holds no pip wheel: install "
+            "python3-pip-whl (Debian's), or give an interpreter with ensurepip",
+            code=BUILD_FAILED,
+        )
+    return str(wheels[-1])
+
+
+def _create(python: str, target: Path, pip_wheel: str | None) -> None:
+    if pip_wheel is None:
+        _run([python, "-m", "venv", str(target)], "venv-create-failed")
+        return
+    _run([python, "-m", "venv", "--without-pip", str(target)], "venv-create-failed")
+    # pip runs from its own wheel to install that wheel: no index, no network. By name
+    # and version from the wheel's directory, so that pip freeze says pip==X, not a path.
+    version = Path(pip_wheel).name.split("-")[1]
+    pip = [str(target / "bin" / "python"), f"{pip_wheel}/pip", "install", "--no-index", "--no-deps"]
+    links = ["--find-links", str(Path(pip_wheel).parent), f"pip=={version}"]
+    _run([*pip, "--disable-pip-version-check", "-q", *links], "venv-create-failed")
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 The engine's choices (oldgpu distro, oldgpu profile --distro debian-13) as installed:
 trixie's own nvidia-driver 550 built by DKMS for trixie's 6.12 headers, CUDA 11.8 from
 NVIDIA's wheels, contrib/non-free on the deb822 sources; and the Python stage refusing
-a venv it has no interpreter for. Each test prints what it saw (pytest -rA).
+a venv it has no interpreter for. (The venv, verl and the job: test_trixie_stack.py.)
+Each test prints what it saw (pytest -rA).
 """
 
 from __future__ import annotations
@@ -91,19 +92,24 @@ def test_cuda_11_8_from_the_wheels(host):
 
 
 def test_check_mode_changes_nothing(host):
-    run = playbook("--check", playbook="playbooks/gpu.yml", limit=host.backend.get_hostname())
+    # The GPU and Python stages: the driver, CUDA's wheels, Debian 12's pinned python3.11.
+    stages = json.dumps({"oldgpu_stages": ["base", "gpu", "python"]})
+    run = playbook("--check", "-e", stages, limit=host.backend.get_hostname())
     assert run.rc == 0, run.output[-3000:]
     assert run.recap(host.backend.get_hostname())["changed"] == 0, run.output[-3000:]
 
 
 def test_the_python_stage_refuses_a_venv_without_its_interpreter(host):
     name = host.backend.get_hostname()
-    # The python stage needs base's facts (the engine's paths): both, base converged already.
-    run = playbook("-e", '{"oldgpu_stages": ["base", "python"]}', limit=name)
+    # Debian 12's python3.11 refused (python_env_python_apt: false) and none named: the
+    # python stage needs base's facts (the engine's paths): both, base converged already.
+    off = {"oldgpu_stages": ["base", "python"], "python_env_python_apt": False}
+    run = playbook("-e", json.dumps(off), limit=name)
     assert run.rc != 0
     assert "python-interpreter-unavailable: Debian 13's python3 is 3.13" in run.output, run.output[
         -2000:
     ]
+    assert "python_env_python_apt is off" in run.output
     recap = run.recap(name)
     print("python stage ->", recap)
     assert recap["changed"] == 0 and recap["failed"] == 1, recap
