@@ -41,7 +41,7 @@ lint: bootstrap
 # vllm.lock's wheels too: tests/test_vllm_env.py builds the V100/T4 hosts' venv from them.
 unit: bootstrap
 	@scripts/wheelhouse.sh files/requirements/vllm.lock
-	@venv=$$(scripts/engine-venv.sh) && VERL09_VENV=$$(scripts/verl09-venv.sh) && \
+	@venv=$$(scripts/engine-venv.sh) && VERL09_VENV=$$(scripts/engine-venv.sh $(VERL09_TEST_VENV)) && \
 	  export VERL09_VENV && cd $(CURDIR) && \
 	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests
 
@@ -51,6 +51,8 @@ nix: bootstrap
 	@scripts/nix-checks.sh
 
 # The newer verl releases' default-index locks (their cu118 locks come from PyTorch's index).
+# verl 0.9.0's CPU tests (tests/test_rollout_verl09.py ...): the release's lock, as a test venv.
+VERL09_TEST_VENV := files/requirements/verl-0.9.0.lock verl09
 RELEASE_LOCKS := $(filter-out %-cu118.lock,$(wildcard files/requirements/verl-*.lock))
 
 # Scenarios mount the shared wheelhouse (the locks' wheels, the newer releases' sdists)
@@ -73,7 +75,7 @@ prepare: bootstrap
 	if scripts/wheelhouse.sh && scripts/wheelhouse.sh files/requirements/vllm.lock && \
 	  (for lock in $(RELEASE_LOCKS); do scripts/wheelhouse.sh "$$lock" || exit 1; done) && \
 	  scripts/verl-sdists.sh && scripts/cuda-wheels.sh && scripts/engine-venv.sh >/dev/null && \
-	  scripts/verl09-venv.sh >/dev/null; then rc=0; else rc=1; fi; \
+	  scripts/engine-venv.sh $(VERL09_TEST_VENV) >/dev/null; then rc=0; else rc=1; fi; \
 	wait $$image || rc=1; wait $$mirror || rc=1; exit $$rc
 
 # Each stage timed (scripts/test-stages.sh prints a table at the end). unit+molecule:

@@ -1,7 +1,7 @@
 """The oldgpu-hf rollout in the real verl 0.9.0 (the sdist, cpu-patched), in its own venv.
 
 verl 0.9.0 needs numpy 2, transformers 5 and Ray, which the engine's test venv (the
-0.5.0 lock) does not have: these tests run the venv ``scripts/verl09-venv.sh`` builds
+0.5.0 lock) does not have: these tests run the venv ``scripts/engine-venv.sh`` builds
 from the release's lock ($VERL09_VENV, which ``make unit`` sets) in subprocesses, and
 skip without it.
 The 2-step GRPO run itself is opt-in (OLDGPU_VERL09_SMOKE=1: about ten minutes on two
