@@ -194,18 +194,22 @@ class HFRolloutServer:
 
     # -- start -----------------------------------------------------------------------
 
+    def _batcher(self, run: Any) -> Batcher[Request, Generated]:
+        # The same batching wherever the batch runs (the trainer's process or our copy).
+        return Batcher(
+            run,
+            lambda r: Generated(token_ids=[], stop_reason=ABORTED),
+            max_batch_tokens=self.max_batch_tokens,
+            cost=batch_tokens,
+            max_rows=self.max_batch_size,
+            window_s=self.window_s,
+            timeout_s=self.timeout_s,
+        )
+
     async def launch_server(self) -> None:
         """Load the model and open for requests (the replica awaits this)."""
         if self.in_trainer:
-            self.batcher = Batcher(
-                self._run_in_trainer,
-                lambda r: Generated(token_ids=[], stop_reason=ABORTED),
-                max_batch_tokens=self.max_batch_tokens,
-                cost=batch_tokens,
-                max_rows=self.max_batch_size,
-                window_s=self.window_s,
-                timeout_s=self.timeout_s,
-            )
+            self.batcher = self._batcher(self._run_in_trainer)
             logger.info(
                 "%s server %d: generates in its trainer worker from the trainer's weights, "
                 "batches of <= %d rows, %d tokens",
@@ -236,15 +240,7 @@ class HFRolloutServer:
             logprobs_mode=self.config.logprobs_mode or PROCESSED,
             max_batch_tokens=self.max_batch_tokens,
         )
-        self.batcher = Batcher(
-            self.generator.generate,
-            lambda r: Generated(token_ids=[], stop_reason=ABORTED),
-            max_batch_tokens=self.max_batch_tokens,
-            cost=batch_tokens,
-            max_rows=self.max_batch_size,
-            window_s=self.window_s,
-            timeout_s=self.timeout_s,
-        )
+        self.batcher = self._batcher(self.generator.generate)
         logger.info(
             "%s server %d: %s, %s, %s attention, weights %s, batches of <= %d rows, %d tokens",
             ROLLOUT_NAME,
