@@ -13,6 +13,8 @@ a module the caller owns (the trainer's policy). Nothing here imports verl or Ra
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from oldgpu.rollout.decode import PROCESSED, RAW, decode
 from oldgpu.rollout.sampling import Generated, Request, batch_tokens
 
 logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 __all__ = ["PROCESSED", "RAW", "HFGenerator", "RolloutOutOfMemory", "load_model"]
 
@@ -174,7 +177,8 @@ class HFGenerator:
         ]
 
     def _decode(self, requests: Sequence[Request], should_stop: Callable[[], bool]):
-        return decode(
+        started = time.perf_counter()
+        out = decode(
             self.model,
             requests,
             pad_token_id=self.pad_token_id,
@@ -183,6 +187,23 @@ class HFGenerator:
             logprobs_mode=self.logprobs_mode,
             should_stop=should_stop,
         )
+        # One line a pass: the bench reads a slow rollout's cause from it (rows, steps,
+        # the time a step took), where verl's timing_s/gen gives only the sum.
+        seconds = time.perf_counter() - started
+        steps = max((len(g.token_ids) for g in out), default=0)
+        tokens = sum(len(g.token_ids) for g in out)
+        logger.info(
+            "rollout pass: %d rows, prompt width %d, %d steps, %d tokens in %.2f s "
+            "(%.1f ms a step, %.0f tokens/s)",
+            len(requests),
+            max(len(r.prompt_ids) for r in requests),
+            steps,
+            tokens,
+            seconds,
+            1000 * seconds / max(steps, 1),
+            tokens / max(seconds, 1e-9),
+        )
+        return out
 
     def _free_cache(self) -> None:
         if self.device.type == "cuda":
