@@ -285,3 +285,62 @@ def test_every_wait_has_a_timeout():
 
     assert asyncio.run(main()) == 2
     assert [1] not in ran  # the request whose caller gave up never ran
+
+
+def test_a_burst_spread_past_the_window_is_still_one_batch():
+    # verl's agent loop tokenizes each sample before it sends it: a step's requests come
+    # over tens of milliseconds with gaps between them. Each gap here (30 ms) is inside the
+    # quiet window, the whole burst (600 ms) far past it: one batch, as a fixed window
+    # after the first request would not give.
+    rec = Recorder()
+
+    async def main():
+        b = make(rec.run, window_s=0.15, max_wait_s=5.0)
+        futures = []
+        for i in range(20):
+            futures.append(asyncio.ensure_future(b.submit(Req(i))))
+            await asyncio.sleep(0.03)
+        await asyncio.gather(*futures)
+
+    asyncio.run(main())
+    assert rec.batches == [list(range(20))]
+
+
+def test_a_full_batch_runs_without_waiting_for_the_quiet_gap():
+    rec = Recorder()
+
+    async def main():
+        b = make(rec.run, max_rows=4, window_s=30.0, max_wait_s=30.0)
+        out = await asyncio.wait_for(asyncio.gather(*[b.submit(Req(i)) for i in range(4)]), 10)
+        return out
+
+    assert len(asyncio.run(main())) == 4
+    assert rec.batches == [[0, 1, 2, 3]]
+
+
+def test_a_steady_trickle_runs_at_the_longest_wait():
+    # Requests that never pause still run: the batch closes max_wait_s after its first.
+    rec = Recorder()
+
+    async def main():
+        b = make(rec.run, window_s=1.0, max_wait_s=0.2)
+        futures = []
+        for i in range(30):
+            futures.append(asyncio.ensure_future(b.submit(Req(i))))
+            await asyncio.sleep(0.02)
+            if rec.batches:
+                break
+        await asyncio.gather(*futures)
+        return len(futures)
+
+    sent = asyncio.run(main())
+    # The first batch started while requests were still coming (about 0.2 s / 20 ms of
+    # them), not after the trickle or a 1 s quiet gap.
+    assert sent < 30
+    assert rec.batches[0][0] == 0 and 2 <= len(rec.batches[0]) <= sent
+
+
+@pytest.mark.parametrize("bad", [{"window_s": -1.0}, {"max_wait_s": -0.5}])
+def test_a_negative_wait_is_refused(bad):
+    with pytest.raises(ValueError, match="expected >= 0"):
+        make(lambda r, s: r, **bad)

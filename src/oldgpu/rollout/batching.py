@@ -3,10 +3,14 @@
 verl's agent loop fires one ``generate`` per sample, all of a step's samples within
 milliseconds of each other. A P40 has no continuous-batching engine, so the server
 gathers what arrives together into one decode batch: after the first request of a
-batch it waits ``window_s`` (unless the batch is already full), takes the waiting
-requests in arrival order while they fit ``max_batch_tokens`` (the batch's padded
-``rows x (prompt + response)`` tokens, ``cost``) and ``max_rows``, and runs them while
-the next ones queue. One batch runs at a time (one model, one device); it runs in a
+batch it waits until the batch is full, or no request has come for ``window_s``, or
+``max_wait_s`` has passed since the first; then it takes the waiting requests in arrival
+order while they fit ``max_batch_tokens`` (the batch's padded ``rows x (prompt +
+response)`` tokens, ``cost``) and ``max_rows``, and runs them while the next ones queue.
+(A fixed wait after the first request cut verl's bursts: the agent loop tokenizes each
+sample before it sends it, and on the lent H200 one step's 128 requests came over more
+than 20 ms with gaps of up to 30 ms between them, so a rollout ran as two or three
+passes of a full pass's length each.) One batch runs at a time (one model, one device); it runs in a
 worker thread so the actor's event loop keeps taking requests and control calls.
 
 Nothing waits forever: a request that gets no answer within ``timeout_s`` fails with
@@ -33,6 +37,8 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_WINDOW_S = 0.1  # the quiet gap that closes a batch (a pass is seconds long)
+DEFAULT_MAX_WAIT_S = 2.0  # a steady trickle still runs
 
 
 class Keyed(Protocol):
@@ -74,7 +80,8 @@ class Batcher(Generic[Q, R]):
         max_batch_tokens: int | None = None,
         cost: Callable[[Sequence[Q]], int] = len,
         max_rows: int | None = None,
-        window_s: float = 0.02,
+        window_s: float = DEFAULT_WINDOW_S,
+        max_wait_s: float = DEFAULT_MAX_WAIT_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_batch_size: int | None = None,
     ) -> None:
@@ -89,12 +96,15 @@ class Batcher(Generic[Q, R]):
             raise ValueError(f"max_rows={max_rows}: expected >= 1")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: expected > 0")
+        if window_s < 0 or max_wait_s < 0:
+            raise ValueError(f"window_s={window_s}, max_wait_s={max_wait_s}: expected >= 0")
         self._run = run
         self._aborted = aborted
         self.max_batch_tokens = max_batch_tokens
         self.cost = cost
         self.max_rows = max_rows
         self.window_s = window_s
+        self.max_wait_s = max_wait_s
         self.timeout_s = timeout_s
         self._queue: list[_Pending[Q, R]] = []
         self._running: list[_Pending[Q, R]] = []
@@ -157,8 +167,28 @@ class Batcher(Generic[Q, R]):
         return self.cost(batch) <= self.max_batch_tokens
 
     def _full(self) -> bool:
-        waiting = [p.request for p in self._queue]
-        return bool(waiting) and not self._fits(waiting)
+        waiting = [p.request for p in self._queue if not p.future.done()]
+        if not waiting:
+            return False
+        if self.max_rows is not None and len(waiting) >= self.max_rows:
+            return True
+        return not self._fits(waiting)
+
+    async def _gather(self) -> None:
+        """Let the rest of the burst arrive: until the batch is full, no request has come
+        for ``window_s``, or ``max_wait_s`` has passed since the first."""
+        assert self._arrived is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        while self.window_s > 0 and not self._full():
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), min(self.window_s, left))
+            except asyncio.TimeoutError:
+                return
 
     def _take(self) -> list[_Pending[Q, R]]:
         # A caller that timed out left its future answered-or-abandoned: skip those.
@@ -187,9 +217,7 @@ class Batcher(Generic[Q, R]):
                 if not self._queue:
                     continue
                 self._idle.clear()
-                # Let the rest of the burst arrive, unless a full batch is already waiting.
-                if not self._full() and self.window_s > 0:
-                    await asyncio.sleep(self.window_s)
+                await self._gather()
                 while batch := self._take():
                     await self._run_one(batch)
                 self._idle.set()

@@ -38,7 +38,7 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
 from oldgpu.rollout import ROLLOUT_NAME, colocated
-from oldgpu.rollout.batching import DEFAULT_TIMEOUT_S, Batcher
+from oldgpu.rollout.batching import DEFAULT_MAX_WAIT_S, DEFAULT_TIMEOUT_S, DEFAULT_WINDOW_S, Batcher
 from oldgpu.rollout.hf_engine import PROCESSED, HFGenerator, load_model
 from oldgpu.rollout.sampling import (
     ABORTED,
@@ -52,7 +52,6 @@ from oldgpu.rollout.sampling import (
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-DEFAULT_BATCH_WINDOW_MS = 20
 # How long a request waits for the trainer to hand the card back (a step's update).
 DEFAULT_SLEEP_WAIT_S = 1800.0
 
@@ -68,7 +67,8 @@ class RolloutAsleep(RuntimeError):
 def engine_settings(config: RolloutConfig) -> dict[str, Any]:
     """Our knobs, under ``rollout.engine_kwargs["oldgpu-hf"]`` (or ``oldgpu_hf``, the
     spelling a Hydra override can write): ``max_batch_tokens``, ``max_batch_size``,
-    ``batch_window_ms``, ``request_timeout_s``."""
+    ``batch_window_ms`` (the quiet gap that closes a batch), ``batch_max_wait_ms``,
+    ``request_timeout_s``."""
     kwargs = config.engine_kwargs or {}
     mine = kwargs.get(ROLLOUT_NAME) or kwargs.get(ROLLOUT_NAME.replace("-", "_")) or {}
     return dict(mine)
@@ -170,7 +170,8 @@ class HFRolloutServer:
                 self.max_batch_size * (self.config.prompt_length + self.config.response_length),
             )
         )
-        self.window_s = float(settings.get("batch_window_ms", DEFAULT_BATCH_WINDOW_MS)) / 1000
+        self.window_s = float(settings.get("batch_window_ms", DEFAULT_WINDOW_S * 1000)) / 1000
+        self.max_wait_s = float(settings.get("batch_max_wait_ms", DEFAULT_MAX_WAIT_S * 1000)) / 1000
         self.timeout_s = float(settings.get("request_timeout_s", DEFAULT_TIMEOUT_S))
         self.sleep_wait_s = float(settings.get("sleep_wait_s", DEFAULT_SLEEP_WAIT_S))
         # In the trainer's process: a colocated job's trainer worker, unless weights=copy.
@@ -203,6 +204,7 @@ class HFRolloutServer:
             cost=batch_tokens,
             max_rows=self.max_batch_size,
             window_s=self.window_s,
+            max_wait_s=self.max_wait_s,
             timeout_s=self.timeout_s,
         )
 
