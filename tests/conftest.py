@@ -298,6 +298,9 @@ def function_def(tree: Path, rel: str, qualname: str) -> ast.FunctionDef:
     node: ast.AST = ast.parse((tree / rel).read_bytes())
     for part in qualname.split("."):
         (node,) = [
-            n for n in node.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part
+            n
+            for n in node.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and n.name == part
         ]
     return node

@@ -305,6 +305,7 @@ def test_registry_finds_version_modules_by_name(extra_patch_sets: Path) -> None:
         "oldgpu.patch.verl_0_9_0.base16",
         "oldgpu.patch.verl_0_9_0.cpu",
         "oldgpu.patch.verl_0_9_0.logits",
+        "oldgpu.patch.verl_0_9_0.rollout",
     ]
     (extra_patch_sets / "verl_9_9_9").mkdir()
     (extra_patch_sets / "verl_9_9_9" / "__init__.py").write_text("")

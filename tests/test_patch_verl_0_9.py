@@ -33,12 +33,15 @@ FSDP_ENGINE = "verl/workers/engine/fsdp/transformer_impl.py"
 MODEL_CONFIG = "verl/workers/config/model.py"
 MODEL_UTILS = "verl/utils/model.py"
 ATTENTION_UTILS = "verl/utils/attention_utils.py"
-PATCHED_FILES = (FSDP_ENGINE, MODEL_CONFIG, MODEL_UTILS, ATTENTION_UTILS)
+ENGINE_WORKERS = "verl/workers/engine_workers.py"
+PATCHED_FILES = (FSDP_ENGINE, MODEL_CONFIG, MODEL_UTILS, ATTENTION_UTILS, ENGINE_WORKERS)
 PATCHED_MODULES = (
     "verl.workers.engine.fsdp.transformer_impl",
     "verl.workers.config.model",
     "verl.utils.model",
     "verl.utils.attention_utils",
+    # engine_workers.py needs the 0.9.0 venv's server packages (uvicorn): it is imported
+    # patched by the jobs scenario's 0.9.0 job and tests/test_rollout_verl09.py
 )
 SITES = {  # patch name -> (file, function) of each site
     "fsdp-param-dtype-default": [(FSDP_ENGINE, "FSDPEngine._build_fsdp_module")],
@@ -56,6 +59,8 @@ SITES = {  # patch name -> (file, function) of each site
     "base16-adapters-fp32": [(FSDP_ENGINE, "FSDPEngine._build_lora_module")],
     # the logits set (tests/test_patch_logits_verl09.py): the engine's inputs and outputs
     "response-logits": [(FSDP_ENGINE, "FSDPEngineWithLMHead.forward_step")] * 2,
+    # the rollout set (tests/test_patch_rollout_verl09.py): no export for a shared rollout
+    "shared-weights-sync": [(ENGINE_WORKERS, "ActorRolloutRefWorker.update_weights")],
 }
 COMPUTE_DTYPE = "oldgpu_compat.compute_dtype()"
 ATTN = "oldgpu_compat.attn_implementation()"
@@ -131,7 +136,8 @@ def test_sites_found_and_edited(tree: Path, capsys) -> None:
     compat_sites = sites.pop("compat-module")
     assert sites == SITES
     assert sorted(compat_sites) == sorted(
-        [(patcher.COMPAT_REL, "<module>")] + [(rel, "<module>") for rel in PATCHED_FILES[:3]]
+        [(patcher.COMPAT_REL, "<module>")]
+        + [(rel, "<module>") for rel in (*PATCHED_FILES[:3], ENGINE_WORKERS)]
     )
     assert _site_code(tree) == {
         "param_dtype": [f"param_dtype = {COMPUTE_DTYPE}"],

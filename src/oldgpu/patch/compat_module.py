@@ -1,8 +1,8 @@
 """The compat module oldgpu adds to the tree (``verl/utils/oldgpu_compat.py``): its name,
 its rendering with the profile's values baked in, and the import that patched files need.
-Its source is ``runtime/compat.py`` with ``runtime/compat_logits.py`` and
-``runtime/compat_base16.py`` (and ``compat_cpu.py`` for cpu trees, ``compat_fp16.py`` for
-fp16 ones)."""
+Its source is ``runtime/compat.py`` with ``runtime/compat_logits.py``,
+``runtime/compat_base16.py`` and ``runtime/compat_rollout.py`` (and ``compat_cpu.py`` for
+cpu trees, ``compat_fp16.py`` for fp16 ones)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def render_compat(options: Options) -> bytes:
     # a LoRA actor's 16-bit base (verl_0_5_0/base16.py), for every tree
     base16 = (resources.files("oldgpu.patch.runtime") / "compat_base16.py").read_bytes()
     rendered = rendered.rstrip(b"\n") + b"\n\n\n" + base16
+    # the rollout patch set's weight-sync stamp (verl_0_9_0/rollout.py), for every tree
+    rollout = (resources.files("oldgpu.patch.runtime") / "compat_rollout.py").read_bytes()
+    rendered = rendered.rstrip(b"\n") + b"\n\n\n" + rollout
     if options.device == "cpu":  # the cpu patch set's helpers, for cpu trees only
         cpu = (resources.files("oldgpu.patch.runtime") / "compat_cpu.py").read_bytes()
         rendered = rendered.rstrip(b"\n") + b"\n\n\n" + cpu

@@ -86,6 +86,9 @@ class HFServerAdapter(BaseRollout):
         from oldgpu.rollout.server import eos_token_ids, pad_token_id, weights_mode
 
         self.weights_mode = weights_mode(self.config)
+        # Read by the rollout patch set (verl_0_9_0/rollout.py): verl skips its weight
+        # export (a state dict of every parameter, two cache flushes) for this rollout.
+        self.shares_trainer_weights = self.weights_mode == colocated.TRAINER
         eos = eos_token_ids(self.model_config)
         self.policy = colocated.PolicyGenerator(
             pad_token_id=pad_token_id(self.model_config, eos),
