@@ -287,23 +287,27 @@ def test_every_wait_has_a_timeout():
     assert [1] not in ran  # the request whose caller gave up never ran
 
 
+async def send_spaced(b: Batcher, count: int, gap_s: float, until=lambda: False) -> int:
+    """Submit Req(0..count-1) gap_s apart (stopping early once ``until()``); wait for all
+    the answers; return how many were sent."""
+    futures = []
+    for i in range(count):
+        futures.append(asyncio.ensure_future(b.submit(Req(i))))
+        await asyncio.sleep(gap_s)
+        if until():
+            break
+    await asyncio.gather(*futures)
+    return len(futures)
+
+
 def test_a_burst_spread_past_the_window_is_still_one_batch():
     # verl's agent loop tokenizes each sample before it sends it: a step's requests come
-    # over tens of milliseconds with gaps between them. Each gap here (30 ms) is inside the
-    # quiet window, the whole burst (600 ms) far past it: one batch, as a fixed window
-    # after the first request would not give.
+    # over tens of milliseconds with gaps between them. Each gap here (30 ms) is well
+    # inside the quiet window (0.5 s, room for a loaded host's late wake-ups), the whole
+    # burst (1.2 s) past it: one batch, as a fixed window after the first would not give.
     rec = Recorder()
-
-    async def main():
-        b = make(rec.run, window_s=0.15, max_wait_s=5.0)
-        futures = []
-        for i in range(20):
-            futures.append(asyncio.ensure_future(b.submit(Req(i))))
-            await asyncio.sleep(0.03)
-        await asyncio.gather(*futures)
-
-    asyncio.run(main())
-    assert rec.batches == [list(range(20))]
+    asyncio.run(send_spaced(make(rec.run, window_s=0.5, max_wait_s=30.0), 40, 0.03))
+    assert rec.batches == [list(range(40))]
 
 
 def test_a_full_batch_runs_without_waiting_for_the_quiet_gap():
@@ -319,24 +323,14 @@ def test_a_full_batch_runs_without_waiting_for_the_quiet_gap():
 
 
 def test_a_steady_trickle_runs_at_the_longest_wait():
-    # Requests that never pause still run: the batch closes max_wait_s after its first.
+    # Requests that never pause still run: the batch closes max_wait_s after its first,
+    # not after a quiet gap (5 s) that never comes.
     rec = Recorder()
-
-    async def main():
-        b = make(rec.run, window_s=1.0, max_wait_s=0.2)
-        futures = []
-        for i in range(30):
-            futures.append(asyncio.ensure_future(b.submit(Req(i))))
-            await asyncio.sleep(0.02)
-            if rec.batches:
-                break
-        await asyncio.gather(*futures)
-        return len(futures)
-
-    sent = asyncio.run(main())
-    # The first batch started while requests were still coming (about 0.2 s / 20 ms of
-    # them), not after the trickle or a 1 s quiet gap.
-    assert sent < 30
+    b = make(rec.run, window_s=5.0, max_wait_s=0.5)
+    sent = asyncio.run(send_spaced(b, 200, 0.02, until=lambda: bool(rec.batches)))
+    # The first batch started while requests were still coming (about 0.5 s / 20 ms of
+    # them), not after the 200 of them (4 s) or a 5 s quiet gap.
+    assert sent < 200
     assert rec.batches[0][0] == 0 and 2 <= len(rec.batches[0]) <= sent
 
 
