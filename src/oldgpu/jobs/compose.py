@@ -22,6 +22,7 @@ from oldgpu.jobs import batches
 from oldgpu.jobs.settings import CONFIG_INVALID, Job, invalid, profile_name
 from oldgpu.output import EngineError
 from oldgpu.plan import spelling
+from oldgpu.rollout import settings as rollout_settings
 
 
 def resolve_profile(job: Job, gpus: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -205,6 +206,10 @@ def compose(
         ),
     ]
     batches.check(job.name, argv)
+    try:
+        rollout_settings.check_overrides(argv)
+    except rollout_settings.RolloutSettingInvalid as exc:
+        raise invalid(f"job {job.name}: {exc}") from None
     env = {
         **environment(job, prof, paths),
         **storage_environment(plan_doc),

@@ -31,6 +31,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from oldgpu.rollout import ROLLOUT_NAME, colocated
+from oldgpu.rollout.settings import WEIGHTS_TRAINER
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -88,7 +89,7 @@ class HFServerAdapter(BaseRollout):
         self.weights_mode = weights_mode(self.config)
         # Read by the rollout patch set (verl_0_9_0/rollout.py): verl skips its weight
         # export (a state dict of every parameter, two cache flushes) for this rollout.
-        self.shares_trainer_weights = self.weights_mode == colocated.TRAINER
+        self.shares_trainer_weights = self.weights_mode == WEIGHTS_TRAINER
         eos = eos_token_ids(self.model_config)
         self.policy = colocated.PolicyGenerator(
             pad_token_id=pad_token_id(self.model_config, eos),
@@ -120,7 +121,7 @@ class HFServerAdapter(BaseRollout):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
-        if self.weights_mode == colocated.TRAINER:
+        if self.weights_mode == WEIGHTS_TRAINER:
             # The server generates from this process's parameters: nothing to copy. verl's
             # generator is lazy (an unread one gathers and merges nothing).
             await self._server().set_global_steps.remote(global_steps)

@@ -33,12 +33,6 @@ from oldgpu.rollout.sampling import Generated, Request
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-TRAINER = "trainer"
-"""Engine setting ``weights``: generate from the trainer's parameters (the default)."""
-COPY = "copy"
-"""Engine setting ``weights``: the server's own copy, synced each step (the baseline)."""
-WEIGHTS_MODES = (TRAINER, COPY)
-
 # Adapters built in this process (a trainer worker), by replica rank.
 _ADAPTERS: dict[int, Any] = {}
 

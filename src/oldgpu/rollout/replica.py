@@ -20,9 +20,10 @@ from verl.plugin.platform import get_platform
 from verl.utils.device import get_resource_name, get_visible_devices_keyword
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from oldgpu.rollout import ROLLOUT_NAME, colocated
+from oldgpu.rollout import ROLLOUT_NAME
 from oldgpu.rollout.adapter import server_actor_name
 from oldgpu.rollout.server import HFRolloutServer, weights_mode
+from oldgpu.rollout.settings import WEIGHTS_TRAINER
 
 
 def _node_and_card(worker_self: Any) -> tuple[str, str | None]:
@@ -66,7 +67,7 @@ class HFReplica(RolloutReplica):
         card: str | None = None
         if self.workers:
             node_id, card = await self.workers[0].__ray_call__.remote(_node_and_card)
-        in_trainer = bool(self.workers) and weights_mode(self.config) == colocated.TRAINER
+        in_trainer = bool(self.workers) and weights_mode(self.config) == WEIGHTS_TRAINER
         platform = get_platform()
         env = dict(platform.rollout_env_vars())
         if in_trainer:

@@ -38,6 +38,7 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
 from oldgpu.rollout import ROLLOUT_NAME, colocated
+from oldgpu.rollout import settings as rollout_settings
 from oldgpu.rollout.batching import DEFAULT_MAX_WAIT_S, DEFAULT_TIMEOUT_S, DEFAULT_WINDOW_S, Batcher
 from oldgpu.rollout.hf_engine import PROCESSED, HFGenerator, load_model
 from oldgpu.rollout.sampling import (
@@ -56,33 +57,19 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 DEFAULT_SLEEP_WAIT_S = 1800.0
 
 
-class RolloutSettingInvalid(ValueError):
-    """An ``engine_kwargs["oldgpu-hf"]`` value the server does not take."""
-
-
 class RolloutAsleep(RuntimeError):
     """A request waited for ``wake_up`` longer than ``sleep_wait_s``."""
 
 
 def engine_settings(config: RolloutConfig) -> dict[str, Any]:
-    """Our knobs, under ``rollout.engine_kwargs["oldgpu-hf"]`` (or ``oldgpu_hf``, the
-    spelling a Hydra override can write): ``max_batch_tokens``, ``max_batch_size``,
-    ``batch_window_ms`` (the quiet gap that closes a batch), ``batch_max_wait_ms``,
-    ``request_timeout_s``."""
-    kwargs = config.engine_kwargs or {}
-    mine = kwargs.get(ROLLOUT_NAME) or kwargs.get(ROLLOUT_NAME.replace("-", "_")) or {}
-    return dict(mine)
+    """Our knobs (``settings.SETTINGS``), checked: a bad one is a named
+    ``RolloutSettingInvalid`` here, never a bare ValueError inside the actor."""
+    return rollout_settings.from_engine_kwargs(config.engine_kwargs)
 
 
 def weights_mode(config: RolloutConfig) -> str:
-    """Where the server generates from (``colocated.TRAINER`` or ``colocated.COPY``)."""
-    mode = str(engine_settings(config).get("weights", colocated.TRAINER))
-    if mode not in colocated.WEIGHTS_MODES:
-        raise RolloutSettingInvalid(
-            f"{ROLLOUT_NAME}: engine setting weights={mode!r}; expected one of "
-            f"{', '.join(colocated.WEIGHTS_MODES)}"
-        )
-    return mode
+    """Where the server generates from (``WEIGHTS_TRAINER`` or ``WEIGHTS_COPY``)."""
+    return engine_settings(config).get("weights", rollout_settings.WEIGHTS_TRAINER)
 
 
 def profile_dtype_and_attention() -> tuple[torch.dtype, str]:
@@ -158,29 +145,27 @@ class HFRolloutServer:
         )
         settings = engine_settings(self.config)
         # Rows at once: vLLM's own cap on running sequences (max_num_seqs) unless set.
-        self.max_batch_size = int(settings.get("max_batch_size", self.config.max_num_seqs))
+        self.max_batch_size = settings.get("max_batch_size", int(self.config.max_num_seqs))
         # Tokens at once (rows x (prompt + response), padded): the planner sets it from its
         # memory model. Unset: every row the agent loop can send at full length, i.e. one
         # pass per rollout as 0.5.0's HF rollout, with the OOM split as the backstop.
         # (rollout.max_num_batched_tokens is vLLM's per-step scheduling budget, not its KV
         # cache: it would cap a batch at a few rows.)
-        self.max_batch_tokens = int(
-            settings.get(
-                "max_batch_tokens",
-                self.max_batch_size * (self.config.prompt_length + self.config.response_length),
-            )
+        self.max_batch_tokens = settings.get(
+            "max_batch_tokens",
+            self.max_batch_size * (self.config.prompt_length + self.config.response_length),
         )
-        self.window_s = float(settings.get("batch_window_ms", DEFAULT_WINDOW_S * 1000)) / 1000
-        self.max_wait_s = float(settings.get("batch_max_wait_ms", DEFAULT_MAX_WAIT_S * 1000)) / 1000
-        self.timeout_s = float(settings.get("request_timeout_s", DEFAULT_TIMEOUT_S))
-        self.sleep_wait_s = float(settings.get("sleep_wait_s", DEFAULT_SLEEP_WAIT_S))
+        self.window_s = settings.get("batch_window_ms", DEFAULT_WINDOW_S * 1000) / 1000
+        self.max_wait_s = settings.get("batch_max_wait_ms", DEFAULT_MAX_WAIT_S * 1000) / 1000
+        self.timeout_s = settings.get("request_timeout_s", DEFAULT_TIMEOUT_S)
+        self.sleep_wait_s = settings.get("sleep_wait_s", DEFAULT_SLEEP_WAIT_S)
         # In the trainer's process: a colocated job's trainer worker, unless weights=copy.
         self.trainer = trainer
-        self.in_trainer = (
-            rollout_mode == RolloutMode.HYBRID and weights_mode(self.config) == colocated.TRAINER
+        self.in_trainer = rollout_mode == RolloutMode.HYBRID and (
+            weights_mode(self.config) == rollout_settings.WEIGHTS_TRAINER
         )
         if self.in_trainer and trainer is None:
-            raise RolloutSettingInvalid(
+            raise rollout_settings.RolloutSettingInvalid(
                 f"{ROLLOUT_NAME}: weights=trainer needs the replica's trainer worker"
             )
         self._woken = asyncio.Event()
