@@ -200,6 +200,17 @@ def test_the_newer_release_gets_the_same_micro_batches_and_an_in_process_rollout
     assert verl_release.plan_fields("0.8.0")["logits_patch"] is False
 
 
+def test_the_plan_says_what_it_counts_from_0_5_0s_measurements(job_dir):
+    """The offload reasons describe 0.5.0's workers; on 0.9.0 they say they were not
+    measured apart, rather than passing 0.5.0's mechanism off as the release's."""
+    grpo = {"algorithm": "grpo", "rollout_n": 4, "train_batch_size": 32}
+    for version, said in (("", False), (NEWER, True)):
+        reasons = compose(job_dir, **grpo, verl_version=version)["plan"]["reasons"]
+        offload = [r for r in reasons if "fsdp_config.param_offload" in r]
+        assert len(offload) == 2, reasons  # the actor's and the ref's
+        assert all(("not measured apart" in r) is said for r in offload), (version, offload)
+
+
 def test_without_the_logits_patch_set_the_micro_batches_shrink():
     """What the logits patch set is worth to the plan: verl's own logits (every position,
     log-probs and entropy over whole micro batches) leave less room for the micro batch."""
@@ -230,7 +241,12 @@ def test_the_server_holds_the_batch_the_planner_sets():
     import oldgpu.rollout
 
     source = " ".join((Path(oldgpu.rollout.__file__).parent / "server.py").read_text().split())
-    assert 'settings.get("max_batch_size", self.config.max_num_seqs)' in source
+    assert 'settings.get("max_batch_size", int(self.config.max_num_seqs))' in source
+    # The planner's budget key is one the server's settings table takes.
+    from oldgpu.rollout import settings
+
+    engine, name = memory.SERVER_TOKENS_KEY.rsplit(".", 2)[-2:]
+    assert engine in settings.SPELLINGS and name in settings.SETTINGS
     assert "self.max_batch_size * (self.config.prompt_length + self.config.response_length)" in (
         source
     )

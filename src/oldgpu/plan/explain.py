@@ -270,6 +270,9 @@ def _reasons(found: Plan) -> dict[str, str]:
         )
         if c.offload.actor_param:
             note += ", but a reloaded actor skips the double flat gradient of its backward's end"
+        if inp.rollout_server:
+            # Measured on 0.5.0's workers only: say so rather than pass it off as 0.9.0's.
+            note += " (counted the same for this release's FSDP engine: not measured apart)"
         r["actor_rollout_ref.actor.fsdp_config.param_offload"] += note
         r["critic.model.fsdp_config.param_offload"] += note.split(", but")[0]
     if c.offload.actor_param and inp.rollout == "hf":
@@ -281,6 +284,10 @@ def _reasons(found: Plan) -> dict[str, str]:
             "follows the actor's: verl 0.5.0 wraps the ref with FSDP CPUOffload itself and the "
             "colocated worker reads the actor's flags"
         )
+        if inp.rollout_server:
+            r["actor_rollout_ref.ref.fsdp_config.param_offload"] += (
+                " (counted the same for this release's FSDP engine: not measured apart)"
+            )
         if inp.lora:
             r["actor_rollout_ref.ref.fsdp_config.param_offload"] = (
                 "follows the actor's; with LoRA verl builds no ref model, so it changes nothing"
