@@ -12,7 +12,9 @@
 #      platform through VERL_PLATFORM=cpu.
 # Environment: VERL09_VENV (default /tmp/verl09-venv), VERL09_WORK (/tmp/verl09-cpu),
 # OLDGPU_CACHE (/var/cache/oldgpu: sdists/verl-0.9.0.tar.gz), TORCH_SPEC (the torch to
-# install; default the 2.13.0 CPU wheel), STEPS (2), LR (1e-5); more overrides as arguments.
+# install; default the 2.13.0 CPU wheel), STEPS (2), LR (1e-5); the shape: BATCH (4
+# prompts), N (2 responses each), RESPONSE (32 tokens), AGENT_WORKERS and REWARD_WORKERS
+# (1 each, as the engine's jobs); more overrides as arguments.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VERL09_VENV:-/tmp/verl09-venv}
@@ -22,6 +24,11 @@ sdist=$cache/sdists/verl-0.9.0.tar.gz
 torch_spec=${TORCH_SPEC:-torch==2.13.0+cpu}
 steps=${STEPS:-2}
 lr=${LR:-1e-5}
+batch=${BATCH:-4}
+n=${N:-2}
+response=${RESPONSE:-32}
+agent_workers=${AGENT_WORKERS:-1}
+reward_workers=${REWARD_WORKERS:-1}
 
 if [[ ! -x $venv/bin/python ]]; then
   python3 -m venv "$venv"
@@ -62,26 +69,26 @@ exec "$py" -m verl.trainer.main_ppo \
   algorithm.use_kl_in_reward=False \
   data.train_files="$assets/data/train.parquet" \
   data.val_files="$assets/data/test.parquet" \
-  data.train_batch_size=4 \
+  data.train_batch_size="$batch" \
   data.max_prompt_length=256 \
-  data.max_response_length=32 \
+  data.max_response_length="$response" \
   data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$assets/model" \
   actor_rollout_ref.model.use_remove_padding=False \
   actor_rollout_ref.actor.optim.lr="$lr" \
-  actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+  actor_rollout_ref.actor.ppo_mini_batch_size="$batch" \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
   actor_rollout_ref.actor.use_kl_loss=False \
   actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
   actor_rollout_ref.ref.fsdp_config.use_torch_compile=False \
   actor_rollout_ref.rollout.name=oldgpu-hf \
   actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-  actor_rollout_ref.rollout.n=2 \
+  actor_rollout_ref.rollout.n="$n" \
   actor_rollout_ref.rollout.calculate_log_probs=True \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \
-  actor_rollout_ref.rollout.agent.num_workers=1 \
+  actor_rollout_ref.rollout.agent.num_workers="$agent_workers" \
   critic.model.use_remove_padding=False \
-  reward.num_workers=1 \
+  reward.num_workers="$reward_workers" \
   trainer.use_v1=False \
   trainer.device=cpu \
   trainer.n_gpus_per_node=1 \

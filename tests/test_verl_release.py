@@ -250,3 +250,27 @@ def test_the_server_holds_the_batch_the_planner_sets():
     assert "self.max_batch_size * (self.config.prompt_length + self.config.response_length)" in (
         source
     )
+
+
+def test_the_agent_and_reward_loops_grow_with_the_hosts_cpus(job_dir, monkeypatch):
+    """One agent-loop and one reward-loop worker tokenize, send and score a step's
+    requests one after another; a host with the cores gets more of each, up to verl's 8."""
+    assert [verl_release.loop_workers(c) for c in (None, 1, 2, 7, 8, 16, 32, 64, 256)] == [
+        1, 1, 1, 1, 2, 4, 8, 8, 8,
+    ]  # fmt: skip
+    monkeypatch.setattr(verl_release, "host_cpus", lambda: 16)
+    grpo = {"algorithm": "grpo", "rollout_n": 4, "verl_version": NEWER}
+    on_gpu = overrides_of(compose(job_dir, **grpo))
+    assert on_gpu["actor_rollout_ref.rollout.agent.num_workers"] == "4"
+    assert on_gpu["reward.num_workers"] == "4"
+    on_cpu = overrides_of(compose(job_dir, profile="cpu", **grpo))
+    assert on_cpu["actor_rollout_ref.rollout.agent.num_workers"] == "1"
+    # a job's own override still wins
+    mine = overrides_of(compose(job_dir, **grpo, overrides=["reward.num_workers=2"]))
+    assert mine["reward.num_workers"] == "2"
+    # what the process may run on, not the machine's total
+    assert verl_release.host_cpus() == 16
+    monkeypatch.undo()
+    import os
+
+    assert verl_release.host_cpus() == len(os.sched_getaffinity(0)) <= (os.cpu_count() or 1)

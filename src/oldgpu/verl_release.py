@@ -17,6 +17,7 @@ its own venv and patched tree, side by side, and a job picks one with its
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,32 @@ def plan_base_dtype(version: str, base_dtype: str) -> str:
     )
 
 
-def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
-    """The profile's settings in ``version``'s keys (0.5.0: the profile's own list)."""
+# verl 0.9.0's agent-loop and reward-loop workers (8 each by default): one a CPU-share of
+# cores, between 1 and verl's 8. Each is a process importing verl (host memory), and with
+# one of each a step's 448 requests are tokenized, sent and scored one after another:
+# 1.4 s of arrival spread and 1.6 s of scoring a step on the lent H100
+# (bench/results/2026-12-07-h100/call2), about a tenth of the step.
+CPUS_PER_LOOP_WORKER = 4
+MAX_LOOP_WORKERS = 8
+
+
+def loop_workers(cpus: int | None) -> int:
+    """Agent-loop (and reward-loop) workers for a job on a host with ``cpus`` usable CPUs
+    (None: unknown, one)."""
+    if not cpus:
+        return 1
+    return max(1, min(MAX_LOOP_WORKERS, cpus // CPUS_PER_LOOP_WORKER))
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (a unit's AllowedCPUs= and a container's cpuset
+    count; the machine's total does not)."""
+    return len(os.sched_getaffinity(0))
+
+
+def profile_overrides(version: str, prof: Mapping[str, Any], cpus: int | None = None) -> list[str]:
+    """The profile's settings in ``version``'s keys (0.5.0: the profile's own list).
+    ``cpus``: the host's usable CPUs, which size 0.9.0's agent and reward loops."""
     if version == default():
         return list(prof["hydra_overrides"])
     out: list[str] = []
@@ -165,10 +190,12 @@ def profile_overrides(version: str, prof: Mapping[str, Any]) -> list[str]:
         f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "trainer.use_v1=False",
-        # One agent-loop worker and one reward worker (8 each by default): every one is a
-        # process importing verl; the rollout server batches what they send anyway.
-        "actor_rollout_ref.rollout.agent.num_workers=1",
-        "reward.num_workers=1",
+    ]
+    # The cpu profile's Ray has 8 logical CPUs for the trainer's actors: one of each.
+    workers = 1 if prof["device"] == "cpu" else loop_workers(cpus)
+    out += [
+        f"actor_rollout_ref.rollout.agent.num_workers={workers}",
+        f"reward.num_workers={workers}",
     ]
     if prof["device"] == "cpu":
         # Ray schedules the workers on a GPU resource: the cpu platform runs them on one

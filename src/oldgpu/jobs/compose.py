@@ -198,7 +198,7 @@ def compose(
         "-m",
         "verl.trainer.main_ppo",
         *merge_overrides(
-            verl_release.profile_overrides(version, prof),
+            verl_release.profile_overrides(version, prof, verl_release.host_cpus()),
             verl_release.translate(version, plan_overrides),
             job_overrides(job, paths, count, nnodes, prof),
             verl_release.translate(version, recipe.overrides(job, prof)),
