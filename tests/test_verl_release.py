@@ -269,7 +269,6 @@ def test_the_agent_and_reward_loops_grow_with_the_hosts_cpus(job_dir, monkeypatc
     mine = overrides_of(compose(job_dir, **grpo, overrides=["reward.num_workers=2"]))
     assert mine["reward.num_workers"] == "2"
     # what the process may run on, not the machine's total
-    assert verl_release.host_cpus() == 16
     monkeypatch.undo()
     import os
 

@@ -40,6 +40,11 @@ from oldgpu.plan.spelling import name as spell
 BASE_DTYPE_KEY = "+actor_rollout_ref.actor.fsdp_config.model_dtype"
 
 
+# The offload reasons describe verl 0.5.0's workers, where they were measured; a newer
+# release's plan counts them the same and says so rather than pass them off as its own.
+NOT_MEASURED_APART = " (counted the same for this release's FSDP engine: not measured apart)"
+
+
 def _b(value: bool) -> str:
     return "True" if value else "False"
 
@@ -271,8 +276,7 @@ def _reasons(found: Plan) -> dict[str, str]:
         if c.offload.actor_param:
             note += ", but a reloaded actor skips the double flat gradient of its backward's end"
         if inp.rollout_server:
-            # Measured on 0.5.0's workers only: say so rather than pass it off as 0.9.0's.
-            note += " (counted the same for this release's FSDP engine: not measured apart)"
+            note += NOT_MEASURED_APART
         r["actor_rollout_ref.actor.fsdp_config.param_offload"] += note
         r["critic.model.fsdp_config.param_offload"] += note.split(", but")[0]
     if c.offload.actor_param and inp.rollout == "hf":
@@ -285,9 +289,7 @@ def _reasons(found: Plan) -> dict[str, str]:
             "colocated worker reads the actor's flags"
         )
         if inp.rollout_server:
-            r["actor_rollout_ref.ref.fsdp_config.param_offload"] += (
-                " (counted the same for this release's FSDP engine: not measured apart)"
-            )
+            r["actor_rollout_ref.ref.fsdp_config.param_offload"] += NOT_MEASURED_APART
         if inp.lora:
             r["actor_rollout_ref.ref.fsdp_config.param_offload"] = (
                 "follows the actor's; with LoRA verl builds no ref model, so it changes nothing"

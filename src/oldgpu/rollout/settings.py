@@ -80,24 +80,20 @@ def parse(settings: Mapping[str, Any]) -> dict[str, Any]:
     (a misspelt knob would otherwise be dropped without a word)."""
     out: dict[str, Any] = {}
     for name, raw in settings.items():
+        if name not in KNOWN:
+            raise RolloutSettingInvalid(
+                f"{ROLLOUT_NAME}: unknown engine setting {name!r}; known: {', '.join(KNOWN)}"
+            )
         if raw is None or raw == "null":
-            if name not in KNOWN:
-                raise RolloutSettingInvalid(
-                    f"{ROLLOUT_NAME}: unknown engine setting {name!r}; known: {', '.join(KNOWN)}"
-                )
             continue
         if name in SETTINGS:
             out[name] = _number(name, raw)
-        elif name in WORDS:
-            if str(raw) not in WORDS[name]:
-                raise RolloutSettingInvalid(
-                    f"{ROLLOUT_NAME}: engine setting {name}={raw!r}; expected one of "
-                    f"{', '.join(WORDS[name])}"
-                )
+        elif str(raw) in WORDS[name]:
             out[name] = str(raw)
         else:
             raise RolloutSettingInvalid(
-                f"{ROLLOUT_NAME}: unknown engine setting {name!r}; known: {', '.join(KNOWN)}"
+                f"{ROLLOUT_NAME}: engine setting {name}={raw!r}; expected one of "
+                f"{', '.join(WORDS[name])}"
             )
     return out
 
