@@ -273,3 +273,55 @@ def test_the_agent_and_reward_loops_grow_with_the_hosts_cpus(job_dir, monkeypatc
     import os
 
     assert verl_release.host_cpus() == len(os.sched_getaffinity(0)) <= (os.cpu_count() or 1)
+
+
+BYPASS = verl_release.BYPASS_KEY
+LOG_PROBS = verl_release.ROLLOUT_LOG_PROBS_KEY
+
+
+def test_the_newer_release_takes_the_old_log_probs_from_its_rollout(job_dir):
+    """oldgpu-hf samples from the trainer's own fp32 parameters before any update: its
+    log-probs are the old policy's, and verl 0.9.0's bypass mode skips the actor's pass."""
+    grpo = {"algorithm": "grpo", "rollout_n": 4}
+    new = overrides_of(compose(job_dir, **grpo, verl_version=NEWER))
+    assert (new[BYPASS], new[LOG_PROBS]) == ("True", "True")
+    old = overrides_of(compose(job_dir, **grpo))
+    assert BYPASS not in old and LOG_PROBS not in old
+    # a job's own choice stays
+    mine = overrides_of(compose(job_dir, **grpo, verl_version=NEWER, overrides=[f"{BYPASS}=False"]))
+    assert mine[BYPASS] == "False" and LOG_PROBS not in mine
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "actor_rollout_ref.rollout.top_p=0.9",
+        "actor_rollout_ref.rollout.top_k=50",
+        "actor_rollout_ref.rollout.top_p=null",
+        "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        f"{LOG_PROBS}=False",
+    ],
+)
+def test_a_rollout_whose_distribution_is_not_the_actors_keeps_the_recompute(job_dir, override):
+    """Top-p, top-k and raw log-probs change what the rollout reports; bypass mode would
+    replace another policy loss by its PPO clip: the actor recomputes, verl's default."""
+    o = overrides_of(compose(job_dir, algorithm="grpo", rollout_n=4, verl_version=NEWER,
+                             overrides=[override]))  # fmt: skip
+    assert BYPASS not in o
+    key, value = override.split("=")
+    assert o[key] == value
+
+
+def test_the_bypass_rule_reads_the_merged_overrides():
+    prof = {"compute_dtype": "fp32"}
+    same = ["actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
+            "~actor_rollout_ref.actor.policy_loss.loss_mode", f"{LOG_PROBS}=false"]  # fmt: skip
+    assert verl_release.old_log_probs(NEWER, prof, same[:3]) == [
+        *same[:3], f"{LOG_PROBS}=True", f"{BYPASS}=True"
+    ]
+    # an explicit false is the job's: the recompute stays
+    assert verl_release.old_log_probs(NEWER, prof, same) == same
+    # a 16-bit compute dtype's rollout is not the actor's fp32 log-softmax; 0.5.0 has no bypass
+    assert verl_release.old_log_probs(NEWER, {"compute_dtype": "fp16"}, []) == []
+    assert verl_release.old_log_probs(verl_release.default(), prof, []) == []

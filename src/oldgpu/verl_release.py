@@ -208,6 +208,49 @@ def profile_overrides(version: str, prof: Mapping[str, Any], cpus: int | None = 
     return out
 
 
+# verl 0.9.0's bypass mode: the old policy's log-probs are the rollout's own, so the
+# actor's log-prob pass over the whole batch (a tenth of a GRPO step on the lent H100,
+# bench/results/2026-12-07-h100/call2) is not run. It is exact here, not an
+# approximation as with vLLM: oldgpu-hf samples from the trainer's own parameters, in the
+# same fp32, before any update, so the rollout's policy is the old policy. On the CPU the
+# two agreed to 3.7e-9 in probability (the smoke's training/rollout_probs_diff_max).
+# It holds while the rollout's distribution is the actor's log_softmax(logits / T):
+# top-p, top-k or raw log-probs change what the rollout reports, and another policy
+# loss would be replaced by bypass mode's PPO clip; then the actor recomputes, as verl's
+# default. A job that sets bypass_mode itself keeps its choice.
+BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
+ROLLOUT_LOG_PROBS_KEY = "actor_rollout_ref.rollout.calculate_log_probs"
+_SAME_POLICY = {
+    "actor_rollout_ref.rollout.top_p": lambda v: float(v) == 1.0,
+    "actor_rollout_ref.rollout.top_k": lambda v: int(v) <= 0,
+    "actor_rollout_ref.rollout.logprobs_mode": lambda v: v in ("null", "processed_logprobs"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": lambda v: v == "vanilla",
+    ROLLOUT_LOG_PROBS_KEY: lambda v: v.lower() == "true",
+}
+
+
+def old_log_probs(version: str, prof: Mapping[str, Any], overrides: Sequence[str]) -> list[str]:
+    """``overrides`` (a job's merged argv) with verl 0.9.0's bypass mode where the
+    rollout's log-probs are the old policy's (see above); unchanged otherwise."""
+    if version == default() or prof["compute_dtype"] != "fp32":
+        return list(overrides)
+    values = {}
+    for item in overrides:
+        key, _, value = item.lstrip("~+").partition("=")
+        values[key] = None if item.startswith("~") else value.strip().strip("'\"")
+    if BYPASS_KEY in values:
+        return list(overrides)
+    for key, same in _SAME_POLICY.items():
+        value = values.get(key)
+        try:
+            if value is not None and not same(value):
+                return list(overrides)
+        except ValueError:
+            return list(overrides)  # not a number: verl's own config check names it
+    keep = [o for o in overrides if o.lstrip("~+").split("=", 1)[0] != ROLLOUT_LOG_PROBS_KEY]
+    return [*keep, f"{ROLLOUT_LOG_PROBS_KEY}=True", f"{BYPASS_KEY}=True"]
+
+
 def plan_fields(version: str) -> dict[str, bool]:
     """What the planner counts differently for ``version``: whether its tree has the
     logits patch set (the response's logits only, log-probs and entropy by rows: the

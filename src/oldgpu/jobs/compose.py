@@ -194,17 +194,14 @@ def compose(
         plan_overrides = per_worker_micro_batches(plan_overrides, count * nnodes, job.rollout_n)
     # The planner, the recipe and a job written for 0.5.0 use 0.5.0's keys; the release
     # renames what moved.
-    argv = [
-        "-m",
-        "verl.trainer.main_ppo",
-        *merge_overrides(
-            verl_release.profile_overrides(version, prof, verl_release.host_cpus()),
-            verl_release.translate(version, plan_overrides),
-            job_overrides(job, paths, count, nnodes, prof),
-            verl_release.translate(version, recipe.overrides(job, prof)),
-            verl_release.translate(version, job.overrides),
-        ),
-    ]
+    merged = merge_overrides(
+        verl_release.profile_overrides(version, prof, verl_release.host_cpus()),
+        verl_release.translate(version, plan_overrides),
+        job_overrides(job, paths, count, nnodes, prof),
+        verl_release.translate(version, recipe.overrides(job, prof)),
+        verl_release.translate(version, job.overrides),
+    )
+    argv = ["-m", "verl.trainer.main_ppo", *verl_release.old_log_probs(version, prof, merged)]
     batches.check(job.name, argv)
     try:
         rollout_settings.check_overrides(argv)
