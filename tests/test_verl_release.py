@@ -318,7 +318,9 @@ def test_the_bypass_rule_reads_the_merged_overrides():
     same = ["actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
             "~actor_rollout_ref.actor.policy_loss.loss_mode", f"{LOG_PROBS}=false"]  # fmt: skip
     assert verl_release.old_log_probs(NEWER, prof, same[:3]) == [
-        *same[:3], f"{LOG_PROBS}=True", f"{BYPASS}=True"
+        *same[:3],
+        f"{LOG_PROBS}=True",
+        f"{BYPASS}=True",
     ]
     # an explicit false is the job's: the recompute stays
     assert verl_release.old_log_probs(NEWER, prof, same) == same
