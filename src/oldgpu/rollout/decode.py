@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from oldgpu.rollout.gqa import grouped_decode_attention
 from oldgpu.rollout.sampling import Generated, Request, finish_row, stop_ids
 
 PROCESSED = "processed_logprobs"
@@ -240,6 +241,11 @@ def decode(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> list[Generated]:
     """Generate every request's response (in order)."""
+    with grouped_decode_attention():  # one read of each key/value head a step (gqa.py)
+        return _decode(model, requests, pad_token_id, eos_ids, device, logprobs_mode, should_stop)
+
+
+def _decode(model, requests, pad_token_id, eos_ids, device, logprobs_mode, should_stop):
     eos_ids = list(eos_ids)
     model = forward_module(model)
     ids, mask = left_padded(requests, pad_token_id, device)
