@@ -368,3 +368,22 @@ print(json.dumps(dict(
     assert doc["num_turns"] == 4  # user, assistant, tool, assistant
     assert doc["stop_ids"] == [[doc["observation"]]] * 2
     assert doc["logprobs"] == doc["response"]
+
+
+@needs_venv
+def test_the_decode_tests_pass_under_the_releases_transformers():
+    """oldgpu-hf decodes under 0.9.0's transformers 5, not the engine venv's 4: its
+    decode, grouped-attention and reserved-cache tests run there too, none skipped."""
+    files = ["test_rollout_decode.py", "test_rollout_gqa.py", "test_rollout_kv_cache.py"]
+    proc = subprocess.run(
+        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
+        cwd=ROOT / "tests",
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}"},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    tail = proc.stdout[-3000:]
+    assert proc.returncode == 0, tail + proc.stderr[-2000:]
+    assert " passed" in tail and "skipped" not in tail, tail

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from oldgpu.rollout.gqa import grouped_decode_attention
+from oldgpu.rollout.kv_cache import reserved_cache
 from oldgpu.rollout.sampling import Generated, Request, finish_row, stop_ids
 
 PROCESSED = "processed_logprobs"
@@ -251,7 +252,13 @@ def _decode(model, requests, pad_token_id, eos_ids, device, logprobs_mode, shoul
     ids, mask = left_padded(requests, pad_token_id, device)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     extra = keeps_last_logits_only(model)
+    longest = max(r.max_tokens for r in requests)
+    # The prompt and the longest response, reserved up front (kv_cache.py: no per-step cat).
+    reserved = reserved_cache(_inner(model), ids.shape[1] + longest)
+    if reserved is not None:
+        extra = {**extra, "past_key_values": reserved}
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **extra)
+    extra.pop("past_key_values", None)
     cache = out.past_key_values
     logits = out.logits[:, -1, :].float()
     del out
@@ -267,7 +274,6 @@ def _decode(model, requests, pad_token_id, eos_ids, device, logprobs_mode, shoul
     lps: list[list[float]] = [[] for _ in requests]
     results: list[Generated | None] = [None] * len(requests)
     raw = logprobs_mode == RAW
-    longest = max(r.max_tokens for r in requests)
     for step in range(longest):
         scores = process(logits, rows, step)
         tok, probs = sample(scores, rows)
