@@ -434,6 +434,48 @@ def test_ops_check_ends_after_the_optimizer_steps(tmp_path) -> None:
         guard.uninstall()
 
 
+def test_a_thread_other_than_the_optimizers_drops_its_mode_after_the_window(tmp_path) -> None:
+    """0.9.0's rollout decodes on another thread than the one that steps the optimizer:
+    once the window ends, that thread's next module call takes its mode off (no aten op
+    of it goes through Python any more), as a real P40 would run it."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    guard.uninstall()
+    log = tmp_path / "g.jsonl"
+    guard.install(
+        guard.policy_for("pascal", device="cpu", memory_mib=None, log=str(log), ops_steps=1)
+    )
+    go, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def rollout() -> None:
+        lin = torch.nn.Linear(2, 2)
+        lin(torch.ones(1, 2))
+        seen["before"] = type(_get_current_dispatch_mode()).__name__
+        go.wait(30)
+        seen["between"] = torch.ones(1).half().dtype  # checks off at once
+        lin(torch.ones(1, 2))  # the next module call drops the mode
+        seen["after"] = _get_current_dispatch_mode()
+        done.set()
+
+    try:
+        thread = threading.Thread(target=rollout, name="rollout")
+        thread.start()
+        lin = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        lin(torch.ones(1, 2)).sum().backward()
+        opt.step()  # ends the window on this thread
+        go.set()
+        assert done.wait(30)
+        thread.join()
+        assert seen == {"before": "DtypeGuardMode", "between": torch.float16, "after": None}
+        dropped = [e for e in events(log) if e["event"] == "ops-mode-dropped"]
+        assert [e["thread"] for e in dropped] == ["rollout"]
+    finally:
+        guard.uninstall()
+
+
 def test_conversions_check(tmp_path) -> None:
     torch = pytest.importorskip("torch")
     guard.uninstall()

@@ -195,8 +195,11 @@ def _remove_handles() -> None:
 def end_ops_check(reason: str = "asked") -> None:
     """End the per-op dtype check (this thread's mode off; no more on new threads).
 
-    Threads other than the caller keep theirs (torch's modes are per thread) but do no
-    checks any more. Everything else the guard enforces stays.
+    Threads other than the caller stop checking at once, and drop their mode (torch's
+    modes are per thread: only the thread itself can) when they next call a module:
+    a mode left on, even doing nothing, sends every aten op of that thread through
+    Python, which a real P40 never pays (0.9.0's rollout decodes on another thread than
+    the one whose optimizer ends the window). Everything else the guard enforces stays.
     """
     with _STATE.lock:
         if _STATE.ops_ended or _STATE.mode_cls is None:
@@ -215,6 +218,8 @@ def end_ops_check(reason: str = "asked") -> None:
                 mode.checking = False
         for other in _STATE.thread_modes.values():
             other.checking = False
+        if _STATE.thread_modes:
+            _arm_mode_drop()
     record(
         "ops-check-ended",
         reason=reason,
@@ -222,6 +227,37 @@ def end_ops_check(reason: str = "asked") -> None:
         popped=popped,
         other_threads=len(_STATE.thread_modes),
     )
+
+
+def _drop_mode_on_this_thread() -> bool:
+    """This thread's mode off, if it is the innermost; whether it was."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    ident = threading.get_ident()
+    mode = _STATE.thread_modes.get(ident)
+    if mode is None or _get_current_dispatch_mode() is not mode:
+        return False
+    mode.__exit__(None, None, None)
+    _STATE.thread_modes.pop(ident, None)
+    return True
+
+
+def _arm_mode_drop() -> None:
+    """A module pre-hook that drops the ended check's mode on each thread that still has
+    one; it removes itself once none has."""
+    torch = sys.modules["torch"]
+    thread_modes = _STATE.thread_modes
+    get_ident = threading.get_ident
+    handle = None
+
+    def forward_pre_hook(module: Any, args: Any) -> None:
+        if get_ident() in thread_modes and _drop_mode_on_this_thread():
+            record("ops-mode-dropped", thread=threading.current_thread().name)
+        if not thread_modes and handle is not None:
+            handle.remove()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(forward_pre_hook)
+    _STATE.handles.append(handle)
 
 
 def _hook_threads() -> None:
