@@ -113,14 +113,18 @@ def test_the_release_trained_both_steps_through_the_oldgpu_hf_server(release_run
     for line in steps.values():
         assert "actor/pg_loss:" in line and "actor/kl_loss:" in line, line
     # The engine's server answered verl's agent loop by generating in the trainer's process
-    # from the trainer's own parameters (issue 32): no model of its own, no weight copied,
-    # and the rollout's log-probs are the actor's (verl's own comparison, every step).
+    # from the trainer's own parameters (issue 32): no model of its own, no weight copied.
     assert "oldgpu-hf server 0: generates in its trainer worker" in journal, journal[-4000:]
     assert len(re.findall(r"oldgpu-hf server 0: \d+ requests in \d+ batches", journal)) >= STEPS
     assert not re.search(r"oldgpu-hf replica 0: \d+ tensors to the server", journal)
+    # So the old policy's log-probs are the rollout's own (verl's bypass mode): no actor
+    # pass for them, and the update's look at them (actor/ppo_kl: the policy against the
+    # rollout's log-probs, before any change in a one-mini-batch step) finds them equal.
+    assert " algorithm.rollout_correction.bypass_mode=True" in command, command
     for line in steps.values():
-        gap = re.search(r"rollout_corr/log_ppl_abs_diff:([-+.\deE]+)", line)
-        assert gap and float(gap.group(1)) < 1e-4, line
+        assert "timing_s/old_log_prob:" not in line, line
+        kl = re.search(r"actor/ppo_kl:(?:np\.float64\()?([-+.\deE]+)", line)
+        assert kl and abs(float(kl.group(1))) < 1e-4, line
 
 
 def test_the_release_jobs_last_checkpoint_is_complete(host, release_run):
