@@ -72,12 +72,14 @@ def test_the_decode_runs_grouped_and_gives_the_stock_paths_tokens(monkeypatch):
     model = tiny_model()
     requests = [req(p, 8, seed=7 + i, ignore_eos=True) for i, p in enumerate(PROMPTS)]
     run = dict(pad_token_id=PAD, eos_ids=(), device=torch.device("cpu"))
-    seen = []
-    real = gqa.grouped_single_query
+    seen, biases = [], []
+    real, real_bias = gqa.grouped_single_query, gqa.mask_bias
     monkeypatch.setattr(gqa, "grouped_single_query", lambda *a: seen.append(1) or real(*a))
+    monkeypatch.setattr(gqa, "mask_bias", lambda *a: biases.append(1) or real_bias(*a))
     grouped = decode_mod.decode(model, requests, **run)
-    # 7 decode steps after the prefill, in each of the tiny model's 2 layers
-    assert len(seen) == 7 * 2
+    # 7 decode steps after the prefill, in each of the tiny model's 2 layers; the mask's
+    # bias once a step, not once a layer
+    assert len(seen) == 7 * 2 and len(biases) == 7
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
     monkeypatch.setattr(decode_mod, "grouped_decode_attention", _stock_context)
     plain = decode_mod.decode(model, requests, **run)

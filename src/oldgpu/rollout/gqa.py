@@ -36,36 +36,56 @@ def _interface() -> Any | None:
     return ALL_ATTENTION_FUNCTIONS
 
 
+def mask_bias(attention_mask: torch.Tensor | None, rows: int, kv_heads: int, length: int,
+              dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """The mask of one query token as an additive bias, one row per (row, kv head):
+    ``(rows * kv_heads, 1, length)``. The same for every layer of a step."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, :, -1:, -length:]  # (rows, 1, 1, length)
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        bias = bias.masked_fill(~mask, float("-inf"))
+    else:
+        bias = mask.to(dtype)
+    return bias.expand(rows, kv_heads, 1, length).reshape(rows * kv_heads, 1, length)
+
+
 def grouped_single_query(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
     """Attention of one query token per row over grouped key/value heads.
 
     query ``(rows, heads, 1, dim)``; key, value ``(rows, kv_heads, length, dim)``; the
-    mask ``(rows, 1, 1, length)``, bool (True attends) or additive. Returns
-    ``(rows, 1, heads, dim)``, as transformers' attention functions do."""
+    mask as ``mask_bias`` gives it. Returns ``(rows, 1, heads, dim)``, as transformers'
+    attention functions do. Few ops a layer (the step is host-bound on a fast card):
+    one batched matmul each way over ``rows * kv_heads``, the bias added in the first."""
     rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, -key.shape[-2] :]  # (rows, 1, 1, length)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.float()
-    probs = scores.softmax(dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # (rows, kv_heads, group, dim)
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous()
+    kv_heads, length = key.shape[1], key.shape[2]
+    q = query.reshape(rows * kv_heads, heads // kv_heads, dim)
+    k = key.reshape(rows * kv_heads, length, dim)
+    v = value.reshape(rows * kv_heads, length, value.shape[-1])
+    if bias is None:
+        scores = torch.bmm(q, k.transpose(1, 2)) * scaling
+    else:
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scaling)
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    probs = scores.softmax(dim=-1)
+    if probs.dtype != value.dtype:
+        probs = probs.to(value.dtype)
+    out = torch.bmm(probs, v)  # (rows * kv_heads, group, dim)
+    return out.view(rows, heads, 1, -1).transpose(1, 2)
 
 
 def wrap(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``stock`` (transformers' SDPA attention function) with single-token grouped
     queries taken by ``grouped_single_query``."""
+    step: dict[str, Any] = {"mask": None, "bias": None, "shape": None}
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         groups = getattr(module, "num_key_value_groups", 1)
@@ -79,7 +99,13 @@ def wrap(stock: Callable[..., Any]) -> Callable[..., Any]:
             kwargs.update(dropout=dropout, scaling=scaling)
             return stock(module, query, key, value, attention_mask, **kwargs)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return grouped_single_query(query, key, value, attention_mask, scale), None
+        rows, kv_heads, length = key.shape[0], key.shape[1], key.shape[2]
+        shape = (rows, kv_heads, length, query.dtype)
+        # One mask a forward, the same tensor for every layer: its bias once a step.
+        if step["mask"] is not attention_mask or step["shape"] != shape:
+            bias = mask_bias(attention_mask, rows, kv_heads, length, query.dtype)
+            step.update(mask=attention_mask, shape=shape, bias=bias)
+        return grouped_single_query(query, key, value, step["bias"], scale), None
 
     attention.oldgpu_grouped = True  # type: ignore[attr-defined]
     return attention

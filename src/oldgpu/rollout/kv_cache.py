@@ -76,8 +76,10 @@ def _make_reserved_layer(base: Any) -> type:
             self.is_initialized = True
 
         def _views(self) -> None:
-            self.keys = self._keys[:, :, : self.length]
-            self.values = self._values[:, :, : self.length]
+            # narrow: one op each (a step is host-bound on a fast card; indexing with
+            # slices on every dimension is several)
+            self.keys = self._keys.narrow(2, 0, self.length)
+            self.values = self._values.narrow(2, 0, self.length)
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
@@ -87,8 +89,9 @@ def _make_reserved_layer(base: Any) -> type:
                 self.capacity = max(end, 2 * self.capacity)
                 self._keys = self._grown(self._keys)
                 self._values = self._grown(self._values)
-            self._keys[:, :, self.length : end] = key_states
-            self._values[:, :, self.length : end] = value_states
+            n = end - self.length
+            self._keys.narrow(2, self.length, n).copy_(key_states)
+            self._values.narrow(2, self.length, n).copy_(value_states)
             self.length = end
             self._views()
             return self.keys, self.values
