@@ -52,6 +52,16 @@ def matching(host: str, pattern: str) -> str:
     return out.strip()
 
 
+def failure_excerpt(lines: list[str], head: int = 40, tail: int = 25) -> list[str]:
+    """What says why a converge ended: the first failed task's report from its start
+    (its msg and stderr come before a long stdout), then the log's end (the recap)."""
+    first = next((i for i, line in enumerate(lines) if "fatal: [" in line or "FAILED! =>" in line),
+                 None)  # fmt: skip
+    if first is None or first >= len(lines) - tail:
+        return lines[-(head + tail) :]
+    return [*lines[first : first + head], "  ...", *lines[-tail:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", required=True)
@@ -88,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupt {args.name}: {why} (rc {proc.poll()}); see {args.log}", file=sys.stderr)
         # The log lives in molecule's ephemeral directory, which destroy removes: its
         # end goes to stderr, so the scenario's own log keeps why the converge ended.
-        tail = args.log.read_text(errors="replace").splitlines()[-60:]
-        print("\n".join(f"  | {line}" for line in tail), file=sys.stderr)
+        lines = args.log.read_text(errors="replace").splitlines()
+        print("\n".join(f"  | {line}" for line in failure_excerpt(lines)), file=sys.stderr)
         return 1
     time.sleep(args.after)
     at = time.monotonic() - start
