@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils._python_dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
