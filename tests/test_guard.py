@@ -446,13 +446,14 @@ def test_a_thread_other_than_the_optimizers_drops_its_mode_after_the_window(tmp_
     guard.install(
         guard.policy_for("pascal", device="cpu", memory_mib=None, log=str(log), ops_steps=1)
     )
-    go, done = threading.Event(), threading.Event()
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
     seen: dict[str, object] = {}
 
     def rollout() -> None:
         lin = torch.nn.Linear(2, 2)
         lin(torch.ones(1, 2))
         seen["before"] = type(_get_current_dispatch_mode()).__name__
+        ready.set()
         go.wait(30)
         seen["between"] = torch.ones(1).half().dtype  # checks off at once
         lin(torch.ones(1, 2))  # the next module call drops the mode
@@ -462,6 +463,7 @@ def test_a_thread_other_than_the_optimizers_drops_its_mode_after_the_window(tmp_
     try:
         thread = threading.Thread(target=rollout, name="rollout")
         thread.start()
+        assert ready.wait(30)  # the rollout thread has used its mode before the window ends
         lin = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(lin.parameters(), lr=0.1)
         lin(torch.ones(1, 2)).sum().backward()
