@@ -118,7 +118,6 @@ def main() -> int:
         ("decode stock, python mode", dict(grouped=False, reserved=False, mode=True)),
         ("decode grouped+reserved, python mode", dict(grouped=True, reserved=True, mode=True)),
     ]
-    results = []
     card = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     with open(out_dir / "decode_step.jsonl", "a") as log:
         for name, kw in variants:
@@ -132,7 +131,6 @@ def main() -> int:
                    "transformers": transformers.__version__,
                    "torch": torch.__version__,
                    "device": card}  # fmt: skip
-            results.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
             print(json.dumps(row), flush=True)

@@ -317,13 +317,11 @@ def test_the_bypass_rule_reads_the_merged_overrides():
     prof = {"compute_dtype": "fp32"}
     same = ["actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
             "~actor_rollout_ref.actor.policy_loss.loss_mode", f"{LOG_PROBS}=false"]  # fmt: skip
-    assert verl_release.old_log_probs(NEWER, prof, same[:3]) == [
-        *same[:3],
-        f"{LOG_PROBS}=True",
-        f"{BYPASS}=True",
-    ]
+    bypass = [f"{LOG_PROBS}=True", f"{BYPASS}=True"]
+    assert verl_release.old_log_probs(NEWER, prof, same[:3]) == bypass
+    assert verl_release.old_log_probs(NEWER, prof, [*same[:3], f"{LOG_PROBS}=true"]) == bypass
     # an explicit false is the job's: the recompute stays
-    assert verl_release.old_log_probs(NEWER, prof, same) == same
+    assert verl_release.old_log_probs(NEWER, prof, same) == []
     # a 16-bit compute dtype's rollout is not the actor's fp32 log-softmax; 0.5.0 has no bypass
     assert verl_release.old_log_probs(NEWER, {"compute_dtype": "fp16"}, []) == []
     assert verl_release.old_log_probs(verl_release.default(), prof, []) == []

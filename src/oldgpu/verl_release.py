@@ -230,25 +230,24 @@ _SAME_POLICY = {
 
 
 def old_log_probs(version: str, prof: Mapping[str, Any], overrides: Sequence[str]) -> list[str]:
-    """``overrides`` (a job's merged argv) with verl 0.9.0's bypass mode where the
-    rollout's log-probs are the old policy's (see above); unchanged otherwise."""
+    """What a job's merged overrides need added for verl 0.9.0's bypass mode where the
+    rollout's log-probs are the old policy's (see above); nothing otherwise."""
     if version == default() or prof["compute_dtype"] != "fp32":
-        return list(overrides)
+        return []
     values = {}
     for item in overrides:
         key, _, value = item.lstrip("~+").partition("=")
         values[key] = None if item.startswith("~") else value.strip().strip("'\"")
     if BYPASS_KEY in values:
-        return list(overrides)
+        return []
     for key, same in _SAME_POLICY.items():
         value = values.get(key)
         try:
             if value is not None and not same(value):
-                return list(overrides)
+                return []
         except ValueError:
-            return list(overrides)  # not a number: verl's own config check names it
-    keep = [o for o in overrides if o.lstrip("~+").split("=", 1)[0] != ROLLOUT_LOG_PROBS_KEY]
-    return [*keep, f"{ROLLOUT_LOG_PROBS_KEY}=True", f"{BYPASS_KEY}=True"]
+            return []  # not a number: verl's own config check names it
+    return [f"{ROLLOUT_LOG_PROBS_KEY}=True", f"{BYPASS_KEY}=True"]
 
 
 def plan_fields(version: str) -> dict[str, bool]:

@@ -201,7 +201,8 @@ def compose(
         verl_release.translate(version, recipe.overrides(job, prof)),
         verl_release.translate(version, job.overrides),
     )
-    argv = ["-m", "verl.trainer.main_ppo", *verl_release.old_log_probs(version, prof, merged)]
+    merged = merge_overrides(merged, verl_release.old_log_probs(version, prof, merged))
+    argv = ["-m", "verl.trainer.main_ppo", *merged]
     batches.check(job.name, argv)
     try:
         rollout_settings.check_overrides(argv)

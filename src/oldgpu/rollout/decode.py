@@ -255,10 +255,8 @@ def _decode(model, requests, pad_token_id, eos_ids, device, logprobs_mode, shoul
     longest = max(r.max_tokens for r in requests)
     # The prompt and the longest response, reserved up front (kv_cache.py: no per-step cat).
     reserved = reserved_cache(_inner(model), ids.shape[1] + longest)
-    if reserved is not None:
-        extra = {**extra, "past_key_values": reserved}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **extra)
-    extra.pop("past_key_values", None)
+    first = extra if reserved is None else {**extra, "past_key_values": reserved}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **first)
     cache = out.past_key_values
     logits = out.logits[:, -1, :].float()
     del out

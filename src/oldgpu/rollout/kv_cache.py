@@ -15,6 +15,7 @@ cache.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -47,17 +48,11 @@ def reserved_cache(model: torch.nn.Module, capacity: int) -> Any | None:
     return cache
 
 
-_RESERVED: type | None = None
-
-
+@functools.cache
 def _reserved_layer_class() -> type:
-    global _RESERVED
-    if _RESERVED is None:
-        _RESERVED = _make_reserved_layer(_dynamic_layer())
-    return _RESERVED
+    """Made on first use: its base exists only in transformers 5."""
+    base: Any = _dynamic_layer()
 
-
-def _make_reserved_layer(base: Any) -> type:
     class ReservedLayer(base):
         """A ``DynamicLayer`` whose keys and values are views of reserved buffers."""
 
